@@ -1,0 +1,174 @@
+"""The eviction engine: keeps one sequence's live KV cells within a fixed budget.
+
+Positions are the original token indices (0, 1, 2, ...): evicted positions leave holes, RoPE positions of the
+kept tokens never change. Before a batch of ``n`` tokens is decoded, :meth:`EvictionEngine.make_room` evicts
+so that ``live + n <= kv_budget``: live cells never exceed the budget. Evictions go through the shared
+selection step with the policy's scores and the protection mask (first ``n_sink`` tokens, the ``n_recent``
+newest tokens, and the prompt when ``protect_prompt``), ``evict_chunk`` (or more, if needed) at a time,
+removed from llama.cpp in one call (``llama_memory_seq_rm_pos``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .policies.base import Policy
+from .selection import protected_mask, select_evictions
+
+
+class BudgetError(ValueError):
+    """The budget cannot hold what must be protected (one-line message)."""
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """KV budget and protection. Units: KV cells (= tokens of the sequence).
+
+    kv_budget: maximum live KV cells of the sequence.
+    n_sink: the first n_sink positions are never evicted.
+    n_recent: the n_recent newest positions are never evicted; None = round(recent_fraction * kv_budget).
+    recent_fraction: default share of the budget kept for recent tokens (0.5: the reference measurement in
+        docs/calibration.md found EPIKV worse than trivial baselines with a small recent window).
+    protect_prompt: never evict prompt tokens (the prompt must then fit the budget with the recent window).
+    evict_chunk: minimum number of positions evicted per eviction round.
+    """
+
+    kv_budget: int
+    n_sink: int = 4
+    n_recent: int | None = None
+    recent_fraction: float = 0.5
+    protect_prompt: bool = True
+    evict_chunk: int = 16
+
+    def __post_init__(self):
+        for name in ("kv_budget", "n_sink", "evict_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < (1 if name != "n_sink" else 0):
+                raise BudgetError(f"{name} must be an integer >= {1 if name != 'n_sink' else 0}, got {v!r}")
+        if self.n_recent is not None and (not isinstance(self.n_recent, int) or self.n_recent < 0):
+            raise BudgetError(f"n_recent must be an integer >= 0, got {self.n_recent!r}")
+        if not 0.0 <= self.recent_fraction < 1.0:
+            raise BudgetError(f"recent_fraction must be in [0, 1), got {self.recent_fraction!r}")
+        if self.n_sink + self.recent + 1 > self.kv_budget:
+            raise BudgetError(
+                f"kv_budget {self.kv_budget} is too small for the protected tokens: n_sink {self.n_sink} + "
+                f"n_recent {self.recent} + at least 1 evictable cell")
+
+    @property
+    def recent(self) -> int:
+        return self.n_recent if self.n_recent is not None else int(round(self.recent_fraction * self.kv_budget))
+
+
+@dataclass
+class EvictionEvent:
+    """One eviction round (recorded when ``record=True``): what was live, protected, scored and evicted."""
+
+    positions: np.ndarray
+    scores: np.ndarray
+    protected: np.ndarray
+    evicted: np.ndarray
+    reason: str
+
+
+@dataclass
+class EngineStats:
+    n_evicted: int = 0
+    n_rounds: int = 0
+    max_live: int = 0
+    n_hook_calls: int = 0
+    evict_seconds: float = 0.0
+    events: list[EvictionEvent] = field(default_factory=list)
+
+
+class EvictionEngine:
+    """Tracks the live positions of sequence 0 of ``ctx`` and evicts with ``policy`` under ``cfg``."""
+
+    def __init__(self, ctx, policy: Policy, cfg: BudgetConfig, record: bool = False):
+        self.ctx = ctx
+        self.policy = policy
+        self.cfg = cfg
+        self.record = record
+        self._alive = np.zeros(1024, dtype=bool)
+        self.n_live = 0
+        self.newest = -1
+        self.prompt_end: int | None = None
+        self.stats = EngineStats()
+
+    # -- bookkeeping --------------------------------------------------------------------------------------
+    def live_positions(self) -> np.ndarray:
+        return np.flatnonzero(self._alive[: self.newest + 1]).astype(np.int64)
+
+    def on_decoded(self, positions: np.ndarray) -> None:
+        """Positions (T,) were just written to the KV cache."""
+        top = int(positions[-1]) + 1
+        if top > len(self._alive):
+            grown = np.zeros(max(top, 2 * len(self._alive)), dtype=bool)
+            grown[: len(self._alive)] = self._alive
+            self._alive = grown
+        self._alive[positions] = True
+        self.n_live += len(positions)
+        self.newest = max(self.newest, top - 1)
+        self.stats.max_live = max(self.stats.max_live, self.n_live)
+
+    def check_prompt(self, n_prompt: int) -> None:
+        """Raise BudgetError if a protected prompt of n_prompt tokens cannot fit with the recent window."""
+        if not self.policy.evicts:
+            if n_prompt > self.cfg.kv_budget:
+                raise BudgetError(f"prompt of {n_prompt} tokens exceeds kv_budget {self.cfg.kv_budget} "
+                                  "with policy 'none' (no eviction)")
+            return
+        if self.cfg.protect_prompt and n_prompt + self.cfg.recent + 1 > self.cfg.kv_budget:
+            raise BudgetError(
+                f"prompt of {n_prompt} tokens plus the recent window of {self.cfg.recent} does not fit "
+                f"kv_budget {self.cfg.kv_budget} while the prompt is protected; raise the budget or stop "
+                "protecting the prompt (--no-protect-prompt)")
+
+    # -- eviction -----------------------------------------------------------------------------------------
+    def protected(self, positions: np.ndarray) -> np.ndarray:
+        return protected_mask(positions, n_sink=self.cfg.n_sink, n_recent=self.cfg.recent,
+                              newest_pos=self.newest,
+                              prompt_end=self.prompt_end if self.cfg.protect_prompt else None)
+
+    def evict(self, n: int, reason: str = "budget") -> int:
+        """Evict up to n positions (lowest scores, unprotected). Returns how many were evicted."""
+        import time
+
+        t0 = time.perf_counter()
+        pos = self.live_positions()
+        scores = self.policy.score(pos)
+        prot = self.protected(pos)
+        victims = select_evictions(pos, scores, prot, n)
+        if len(victims):
+            removed = self.ctx.seq_rm_positions(victims)
+            if removed != len(victims):
+                raise RuntimeError(f"llama.cpp removed {removed} cells for {len(victims)} evicted positions")
+            self._alive[victims] = False
+            self.n_live -= len(victims)
+            self.stats.n_evicted += len(victims)
+            self.stats.n_rounds += 1
+        if self.record:
+            self.stats.events.append(EvictionEvent(pos, np.array(scores, dtype=np.float64), prot, victims, reason))
+        self.stats.evict_seconds += time.perf_counter() - t0
+        return len(victims)
+
+    def make_room(self, n_new: int) -> None:
+        """Evict so that n_new more cells fit in the budget. BudgetError if protection forbids it."""
+        need = self.n_live + n_new - self.cfg.kv_budget
+        if need <= 0:
+            return
+        if not self.policy.evicts:
+            raise BudgetError(f"KV budget {self.cfg.kv_budget} is full and policy 'none' does not evict")
+        got = self.evict(max(need, self.cfg.evict_chunk))
+        if got < need:
+            raise BudgetError(
+                f"cannot free {need} KV cells within budget {self.cfg.kv_budget}: only {got} unprotected "
+                "positions (prompt/sinks/recent window are protected)")
+
+    def on_kv_full(self, n_tokens: int) -> bool:
+        """llama_decode's kv-full hook: evict a chunk and ask for a retry."""
+        self.stats.n_hook_calls += 1
+        if not self.policy.evicts:
+            return False
+        return self.evict(max(n_tokens, self.cfg.evict_chunk), reason="kv_full_hook") > 0

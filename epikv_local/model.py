@@ -1,0 +1,356 @@
+"""Model and context handles over the patched llama.cpp (explicit ownership: both are context managers).
+
+``Model`` owns a ``llama_model``; ``Context`` owns a ``llama_context`` (flash attention requested as
+``LLAMA_FLASH_ATTN_TYPE_ENABLED``), its batch, and optionally an eval-callback capture handle. Every llama.cpp
+return code is checked here and turned into :class:`~epikv_local.native.NativeError` or ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .native import (
+    DECODE_NO_KV_SLOT,
+    SEQ_RM_POS_UNSUPPORTED,
+    Native,
+    NativeError,
+    load,
+)
+
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelError(ValueError):
+    """The model file or its architecture cannot be used (one-line message)."""
+
+
+class KVFullError(NativeError):
+    """llama_decode found no KV slot for the batch (return code 1) even after the kv-full hook ran."""
+
+
+def check_gguf(path: str | os.PathLike) -> Path:
+    """Return the path if it is a readable GGUF file, else raise ModelError naming the problem."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelError(f"model file not found: {p}")
+    if not p.is_file():
+        raise ModelError(f"model path is not a file: {p}")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelError(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {p}")
+    return p
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Shapes of a loaded model. Units: counts; bytes for kv_bytes_per_cell."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_vocab: int
+    desc: str
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        """Bytes of one KV cell (all layers, K and V, f16) for this model."""
+        head_dim = self.n_embd // self.n_head
+        return self.n_layer * 2 * self.n_head_kv * head_dim * 2
+
+
+class Model:
+    """A loaded GGUF model. Use as a context manager; ``close()`` frees it.
+
+    n_gpu_layers: layers offloaded to a GPU backend (0 on CPU builds; -1 = all).
+    """
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = -1, native: Native | None = None):
+        self.path = check_gguf(path)
+        self.nat = native or load()
+        ll = self.nat.llama
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self.nat.log.clear()
+        handle = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if not handle:
+            raise ModelError(f"llama.cpp could not load {self.path}: {self.nat.log.recent_errors() or 'unknown error'}")
+        self._handle = handle
+        self.vocab = ll.llama_model_get_vocab(handle)
+        buf = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(handle, buf, 256)
+        self.info = ModelInfo(
+            arch=self.meta("general.architecture") or "unknown",
+            n_layer=ll.llama_model_n_layer(handle),
+            n_embd=ll.llama_model_n_embd(handle),
+            n_head=ll.llama_model_n_head(handle),
+            n_head_kv=ll.llama_model_n_head_kv(handle),
+            n_vocab=ll.llama_vocab_n_tokens(self.vocab),
+            desc=buf.value.decode("utf-8", "replace"),
+        )
+
+    # -- ownership --------------------------------------------------------------------------------------
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise NativeError("model is closed")
+        return self._handle
+
+    def close(self) -> None:
+        if getattr(self, "_handle", None) is not None:
+            self.nat.llama.llama_model_free(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # last resort; prefer the context manager
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- metadata, tokens --------------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = self.nat.llama.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            self.nat.llama.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Text -> token ids (llama_tokenize)."""
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        arr = (ctypes.c_int32 * cap)()
+        n = self.nat.llama.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            arr = (ctypes.c_int32 * cap)()
+            n = self.nat.llama.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special, parse_special)
+            if n < 0:
+                raise NativeError(f"llama_tokenize failed ({n})")
+        return list(arr[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token's piece (may be a partial UTF-8 sequence)."""
+        buf = ctypes.create_string_buffer(64)
+        n = self.nat.llama.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.nat.llama.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.nat.llama.llama_vocab_is_eog(self.vocab, token))
+
+    def token_text(self, token: int) -> str:
+        return self.nat.llama.llama_vocab_get_text(self.vocab, token).decode("utf-8", "replace")
+
+    def bos_text(self) -> str:
+        tok = self.nat.llama.llama_vocab_bos(self.vocab)
+        return self.token_text(tok) if tok >= 0 else ""
+
+    def eos_text(self) -> str:
+        tok = self.nat.llama.llama_vocab_eos(self.vocab)
+        return self.token_text(tok) if tok >= 0 else ""
+
+
+class Context:
+    """A llama_context for one sequence (seq 0), flash attention requested as ENABLED.
+
+    n_ctx: KV cells allocated (the eviction engine sizes it as budget + one ubatch).
+    n_batch: the largest number of tokens one ``decode`` call may take (== n_ubatch).
+    capture: optional eval-callback capture handle (``capture.EvalCallbackCapture``) whose C callback is
+    installed as ``cb_eval``; it must outlive the context.
+    """
+
+    def __init__(self, model: Model, n_ctx: int, n_batch: int = 64, flash_attn: bool = True,
+                 n_threads: int | None = None, cb_eval=None, cb_eval_user_data: int = 0,
+                 type_k: str = "f16", type_v: str = "f16"):
+        if n_ctx < 1:
+            raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+        if n_batch < 1:
+            raise ValueError(f"n_batch must be >= 1, got {n_batch}")
+        self.model = model
+        self.nat = model.nat
+        ll = self.nat.llama
+        p = ll.llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = n_batch
+        p.n_seq_max = 1
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        p.n_threads = threads
+        p.n_threads_batch = threads
+        p.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.no_perf = True
+        types = {"f16": ll.GGML_TYPE_F16, "f32": ll.GGML_TYPE_F32, "q8_0": ll.GGML_TYPE_Q8_0}
+        if type_k not in types or type_v not in types:
+            raise ValueError(f"KV cache types must be one of {sorted(types)}, got {type_k!r}/{type_v!r}")
+        p.type_k = types[type_k]
+        p.type_v = types[type_v]
+        self.type_k, self.type_v = type_k, type_v
+        if cb_eval is not None:
+            p.cb_eval = ll.ggml_backend_sched_eval_callback(cb_eval)
+            p.cb_eval_user_data = ctypes.c_void_p(cb_eval_user_data)
+        self.flash_attn_requested = flash_attn
+        self.nat.log.clear()
+        handle = ll.llama_init_from_model(model.handle, p)
+        if not handle:
+            raise NativeError(f"llama_init_from_model failed: {self.nat.log.recent_errors() or 'unknown error'}")
+        self._handle = handle
+        self._params = p  # keeps the ctypes callback object alive
+        self.n_ctx = ll.llama_n_ctx(handle)
+        self.n_batch = n_batch
+        self.mem = ll.llama_get_memory(handle)
+        self._mem_c = self.nat.as_cffi("llama_memory_t", self.mem)
+        self._ctx_c = self.nat.as_cffi("struct llama_context *", handle)
+        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        self._kv_full_cb = None
+
+    # -- ownership --------------------------------------------------------------------------------------
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise NativeError("context is closed")
+        return self._handle
+
+    def close(self) -> None:
+        if getattr(self, "_handle", None) is not None:
+            ll = self.nat.llama
+            self.set_kv_full_callback(None)
+            ll.llama_batch_free(self._batch)
+            ll.llama_free(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- decode -----------------------------------------------------------------------------------------
+    def decode(self, tokens: list[int], positions: list[int] | np.ndarray, logits_last: bool = True,
+               logits_all: bool = False, seq_id: int = 0) -> None:
+        """Decode tokens at the given positions of ``seq_id`` (positions need not be dense).
+
+        Raises KVFullError when no KV slot was found (llama_decode returned 1 after the kv-full hook),
+        NativeError on any other failure, ValueError on bad arguments.
+        """
+        n = len(tokens)
+        if n == 0 or n > self.n_batch:
+            raise ValueError(f"decode takes 1..{self.n_batch} tokens, got {n}")
+        if len(positions) != n:
+            raise ValueError(f"{n} tokens but {len(positions)} positions")
+        b = self._batch
+        for i in range(n):
+            b.token[i] = int(tokens[i])
+            b.pos[i] = int(positions[i])
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq_id
+            b.logits[i] = 1 if (logits_all or (logits_last and i == n - 1)) else 0
+        b.n_tokens = n
+        rc = self.nat.llama.llama_decode(self.handle, b)
+        if rc == DECODE_NO_KV_SLOT:
+            raise KVFullError(f"llama_decode: no KV slot for {n} tokens (n_ctx={self.n_ctx})")
+        if rc != 0:
+            raise self.nat.error(f"llama_decode failed with code {rc}")
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """Logits of output row i of the last decode, shape (n_vocab,), float32 (a view; copy to keep)."""
+        ptr = self.nat.llama.llama_get_logits_ith(self.handle, i)
+        if not ptr:
+            raise self.nat.error(f"no logits for output {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.info.n_vocab,))
+
+    # -- memory -----------------------------------------------------------------------------------------
+    def seq_rm_positions(self, positions: np.ndarray, seq_id: int = 0) -> int:
+        """Remove the listed positions of seq_id in one pass (patched llama_memory_seq_rm_pos).
+
+        Returns the number of cells removed; raises NativeError if the memory type cannot do it.
+        """
+        pos = np.ascontiguousarray(positions, dtype=np.int32)
+        ffi = self.nat.ffi
+        n = self.nat.lib.llama_memory_seq_rm_pos(self._mem_c, seq_id, ffi.from_buffer("llama_pos[]", pos), len(pos))
+        if n == SEQ_RM_POS_UNSUPPORTED:
+            raise NativeError(
+                f"this model's memory ({self.model.info.arch}) cannot remove single positions "
+                "(recurrent or hybrid memory): KV eviction is not supported for it")
+        if n < 0:
+            raise NativeError(f"llama_memory_seq_rm_pos failed with code {n}")
+        return n
+
+    def seq_rm_range(self, p0: int, p1: int, seq_id: int = 0) -> None:
+        """Remove positions [p0, p1) of seq_id (stock llama_memory_seq_rm)."""
+        if not self.nat.llama.llama_memory_seq_rm(self.mem, seq_id, p0, p1):
+            raise NativeError(f"llama_memory_seq_rm({seq_id}, {p0}, {p1}) failed")
+
+    def clear(self) -> None:
+        self.nat.llama.llama_memory_clear(self.mem, True)
+
+    def set_kv_full_callback(self, fn) -> None:
+        """Install fn(n_tokens) -> bool as the kv-full hook (None removes it). Exceptions in fn count as False."""
+        ffi = self.nat.ffi
+        if fn is None:
+            if self._kv_full_cb is not None and self._handle is not None:
+                self.nat.lib.llama_set_kv_full_callback(self._ctx_c, ffi.NULL, ffi.NULL)
+            self._kv_full_cb = None
+            return
+
+        @ffi.callback("bool(struct llama_context *, int32_t, void *)", onerror=lambda *a: False)
+        def _cb(_ctx, n_tokens, _ud):
+            return bool(fn(int(n_tokens)))
+
+        self._kv_full_cb = _cb
+        self.nat.lib.llama_set_kv_full_callback(self._ctx_c, _cb, ffi.NULL)
+
+    # -- capture (patched API) --------------------------------------------------------------------------
+    def set_layer_out(self, il: int, enable: bool = True) -> None:
+        rc = self.nat.lib.llama_set_layer_out(self._ctx_c, il, enable)
+        if rc == -1:
+            raise ValueError(f"layer {il} is out of range for a {self.model.info.n_layer}-layer model")
+        if rc == -2:
+            raise ValueError(f"layer {il} is the last layer, whose output keeps only output rows: not capturable")
+        if rc != 0:
+            raise NativeError(f"llama_set_layer_out failed with code {rc}")
+
+    def layer_out(self, il: int, n_tokens: int) -> np.ndarray | None:
+        """Captured output rows of layer il for the last decode, shape (n_tokens, n_embd) float32 view;
+        None when the graph had no ``l_out-<il>`` tensor."""
+        ptr = self.nat.lib.llama_get_layer_out(self._ctx_c, il)
+        if ptr == self.nat.ffi.NULL:
+            return None
+        n_embd = self.model.info.n_embd
+        buf = self.nat.ffi.buffer(ptr, n_tokens * n_embd * 4)
+        return np.frombuffer(buf, dtype=np.float32).reshape(n_tokens, n_embd)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes allocated for the KV cache (n_ctx cells, all layers, K and V)."""
+        per = {"f16": 2, "f32": 4, "q8_0": 34 / 32}
+        info = self.model.info
+        head_dim = info.n_embd // info.n_head
+        return int(self.n_ctx * info.n_layer * info.n_head_kv * head_dim * (per[self.type_k] + per[self.type_v]))

@@ -1,0 +1,212 @@
+"""All native bindings of epikv-local, in one place.
+
+Two libraries are bound, both built by this package's CMake into ``epikv_local/lib``:
+
+* ``libllama`` (patched llama.cpp). The stock API is used through llama-cpp-python's ctypes module
+  (``llama_cpp``), which is made to load *this* library through ``LLAMA_CPP_LIB_PATH``. The functions that
+  our patches add to ``llama.h`` are declared below with cffi, mirroring the header (see ``patches/``).
+* ``libepikv_capture`` (``native/epikv_capture.h``): the eval-callback capture route and graph probe.
+
+Nothing is loaded at import: :func:`load` loads once and returns a :class:`Native` handle. C return codes
+become :class:`NativeError` here, with llama.cpp's last error lines attached.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import cffi
+
+# --- declarations: mirror include/llama.h (patched) and native/epikv_capture.h ---------------------------
+LLAMA_CDEF = """
+typedef int32_t llama_pos;
+typedef int32_t llama_seq_id;
+typedef struct llama_memory_i * llama_memory_t;
+struct llama_context;
+
+int32_t llama_memory_seq_rm_pos(llama_memory_t mem, llama_seq_id seq_id, const llama_pos * pos, int32_t n_pos);
+bool    llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+int32_t llama_set_layer_out(struct llama_context * ctx, int32_t il, bool enable);
+float * llama_get_layer_out(struct llama_context * ctx, int32_t il);
+typedef bool (*llama_kv_full_callback)(struct llama_context * ctx, int32_t n_tokens, void * user_data);
+void    llama_set_kv_full_callback(struct llama_context * ctx, llama_kv_full_callback cb, void * user_data);
+"""
+
+CAPTURE_CDEF = """
+#define EPIKV_MODE_CAPTURE 1
+#define EPIKV_MODE_PROBE 2
+typedef struct epikv_capture epikv_capture;
+struct ggml_tensor;
+epikv_capture * epikv_capture_new(const int32_t * layers, int32_t n_layers, int32_t n_embd, int32_t max_tokens);
+void epikv_capture_free(epikv_capture * cap);
+int32_t epikv_capture_set_mode(epikv_capture * cap, int32_t mode);
+bool epikv_capture_cb_eval(struct ggml_tensor * t, bool ask, void * user_data);
+int32_t epikv_capture_take(epikv_capture * cap, float * g_out, int32_t max_rows);
+void epikv_capture_reset(epikv_capture * cap);
+int64_t epikv_capture_n_captured(const epikv_capture * cap);
+const char * epikv_capture_probe_text(const epikv_capture * cap);
+void epikv_diff_norms(const float * rows, int32_t n_rows, int32_t n_embd, float * prev, int32_t has_prev, float * out);
+"""
+
+# llama_memory_seq_rm_pos return codes (patches/0001)
+SEQ_RM_POS_UNSUPPORTED = -1
+SEQ_RM_POS_BAD_ARGS = -2
+# llama_set_layer_out return codes
+LAYER_OUT_BAD_LAYER = -1
+LAYER_OUT_LAST_LAYER = -2
+# llama_decode return codes (llama.h)
+DECODE_NO_KV_SLOT = 1
+DECODE_ABORTED = 2
+
+
+class NativeError(RuntimeError):
+    """A native call failed; the message names the call and includes llama.cpp's last error lines."""
+
+
+def _lib_names(stem: str) -> list[str]:
+    if sys.platform == "darwin":
+        return [f"lib{stem}.dylib"]
+    if sys.platform == "win32":
+        return [f"{stem}.dll", f"lib{stem}.dll"]
+    return [f"lib{stem}.so"]
+
+
+def default_lib_dir() -> Path:
+    """The directory holding libllama, ggml and libepikv_capture: ``$EPIKV_LIB_DIR`` or the package's lib/."""
+    env = os.environ.get("EPIKV_LIB_DIR")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent / "lib"
+    if here.is_dir():
+        return here
+    # imported from a source checkout: use the libraries of the installed distribution
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        return Path(distribution("epikv-local").locate_file("epikv_local/lib"))
+    except (ImportError, PackageNotFoundError):
+        return here
+
+
+class LlamaLog:
+    """Our ``llama_log_set`` sink: keeps the last lines, prints only when verbose.
+
+    llama-cpp-python's own logger maps levels with a stale table, so ours replaces it.
+    """
+
+    # ggml_log_level: 0 NONE, 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT
+    NAMES = {0: "none", 1: "debug", 2: "info", 3: "warn", 4: "error", 5: "cont"}
+
+    def __init__(self, verbose: bool = False, keep: int = 50):
+        self.verbose = verbose
+        self.lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=keep)
+        self._last_level = 2
+        self._lock = threading.Lock()
+
+    def __call__(self, level: int, text: bytes, _user_data: Any) -> None:
+        msg = text.decode("utf-8", "replace") if text else ""
+        with self._lock:
+            if level == 5:  # continuation of the previous line
+                level = self._last_level
+            self._last_level = level
+            if level >= 3:
+                self.lines.append((level, msg.rstrip("\n")))
+        if self.verbose or os.environ.get("EPIKV_VERBOSE"):
+            sys.stderr.write(msg)
+
+    def recent_errors(self, n: int = 3) -> str:
+        with self._lock:
+            errs = [m for lvl, m in self.lines if lvl >= 3 and m.strip()]
+        return " | ".join(errs[-n:])
+
+    def clear(self) -> None:
+        with self._lock:
+            self.lines.clear()
+
+
+@dataclass
+class Native:
+    """Loaded libraries. ``llama`` is the ``llama_cpp`` ctypes module bound to our libllama."""
+
+    lib_dir: Path
+    llama: Any
+    ffi: cffi.FFI
+    lib: Any  # cffi handle of libllama (patched functions)
+    cap: Any  # cffi handle of libepikv_capture
+    log: LlamaLog
+    _keep: list = field(default_factory=list)
+
+    # -- pointer conversion between llama_cpp (ctypes) handles and cffi ------------------------------------
+    def as_cffi(self, ctype: str, handle: Any) -> Any:
+        addr = ctypes.cast(handle, ctypes.c_void_p).value if not isinstance(handle, int) else handle
+        if not addr:
+            raise NativeError(f"null {ctype}")
+        return self.ffi.cast(ctype, addr)
+
+    def address(self, cdata: Any) -> int:
+        return int(self.ffi.cast("uintptr_t", cdata))
+
+    def error(self, what: str) -> NativeError:
+        detail = self.log.recent_errors()
+        return NativeError(f"{what}" + (f" (llama.cpp: {detail})" if detail else ""))
+
+
+_NATIVE: Native | None = None
+_LOCK = threading.Lock()
+
+
+def _check_llama_cpp_import(lib_dir: Path) -> None:
+    mod = sys.modules.get("llama_cpp.llama_cpp")
+    if mod is None:
+        return
+    loaded = Path(getattr(mod._lib, "_name", "")).resolve()
+    if loaded.parent != lib_dir.resolve():
+        raise NativeError(
+            f"llama_cpp was imported before epikv_local and loaded {loaded}; epikv-local needs its patched "
+            f"library in {lib_dir}. Import epikv_local before llama_cpp, or set LLAMA_CPP_LIB_PATH={lib_dir}."
+        )
+
+
+def load(lib_dir: Path | None = None, verbose: bool = False) -> Native:
+    """Load the patched libllama (through llama_cpp) and the capture shim, once per process.
+
+    Raises NativeError when the libraries are missing or ``llama_cpp`` already loaded another libllama.
+    """
+    global _NATIVE
+    with _LOCK:
+        if _NATIVE is not None:
+            _NATIVE.log.verbose = _NATIVE.log.verbose or verbose
+            return _NATIVE
+        lib_dir = Path(lib_dir) if lib_dir else default_lib_dir()
+        llama_path = next((lib_dir / n for n in _lib_names("llama") if (lib_dir / n).exists()), None)
+        cap_path = next((lib_dir / n for n in _lib_names("epikv_capture") if (lib_dir / n).exists()), None)
+        if llama_path is None or cap_path is None:
+            raise NativeError(
+                f"patched llama.cpp libraries not found in {lib_dir}; install the package "
+                f"(bash scripts/install.sh) or set EPIKV_LIB_DIR"
+            )
+        _check_llama_cpp_import(lib_dir)
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+        import llama_cpp  # noqa: E402  (import after LLAMA_CPP_LIB_PATH is set)
+
+        _check_llama_cpp_import(lib_dir)
+
+        ffi = cffi.FFI()
+        ffi.cdef(LLAMA_CDEF)
+        ffi.cdef(CAPTURE_CDEF)
+        lib = ffi.dlopen(str(llama_path))
+        cap = ffi.dlopen(str(cap_path))
+
+        log = LlamaLog(verbose=verbose)
+        log_cb = llama_cpp.llama_log_callback(log)
+        llama_cpp.llama_log_set(log_cb, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _NATIVE = Native(lib_dir=lib_dir, llama=llama_cpp, ffi=ffi, lib=lib, cap=cap, log=log, _keep=[log_cb])
+        return _NATIVE

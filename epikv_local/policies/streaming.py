@@ -1,0 +1,18 @@
+"""StreamingLLM (Xiao et al., 2023): keep the attention sinks and the most recent tokens.
+
+As a scorer: score = position, so the selection step evicts the oldest unprotected tokens first; the sinks
+are protected by the engine's ``n_sink``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Policy
+
+
+class StreamingLLM(Policy):
+    name = "streaming"
+
+    def score(self, positions: np.ndarray) -> np.ndarray:
+        return np.asarray(positions, dtype=np.float64)

@@ -1,0 +1,40 @@
+"""Shared fixtures: the real default model (fetched by scripts/install.sh) and the shared data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    from epikv_local.default_model import default_model_path
+
+    return default_model_path(fetch=False)
+
+
+@pytest.fixture(scope="session")
+def nat():
+    from epikv_local.native import load
+
+    return load()
+
+
+@pytest.fixture(scope="session")
+def model(nat, model_path):
+    from epikv_local.model import Model
+
+    with Model(model_path, native=nat) as m:
+        yield m
+
+
+@pytest.fixture(scope="session")
+def dev_traces() -> list[dict]:
+    path = SHARED / "r1_traces_dev.jsonl"
+    if not path.is_file():
+        pytest.fail(f"shared data missing: {path}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
