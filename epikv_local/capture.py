@@ -1,6 +1,6 @@
 """Per-layer residual-stream change ``g`` for every decoded token, by one of two capture routes.
 
-* ``"layer_out"`` (default, fast): the patched ``llama_set_layer_out`` marks ``l_out-<il>`` as graph outputs
+* ``"layer_out"`` (default, fast): the patched ``llama_set_layer_capture`` marks ``l_out-<il>`` as graph outputs
   and llama.cpp copies them with its other outputs; no callback, no extra scheduler split.
 * ``"callback"``: the C eval callback of ``native/epikv_capture.c`` asks for ``l_out-<il>`` (one scheduler
   split per captured layer) and computes g natively.
@@ -21,7 +21,7 @@ from .native import Native, NativeError
 from .scoring import diff_norms
 
 ROUTES = ("layer_out", "callback")
-MODE_IDLE, MODE_CAPTURE, MODE_PROBE = 0, 1, 2
+MODE_IDLE, MODE_CAPTURE, MODE_PROBE, MODE_ATTN = 0, 1, 2, 4
 
 
 class CallbackHandle:
@@ -69,6 +69,23 @@ class CallbackHandle:
 
     def reset(self) -> None:
         self.nat.cap.epikv_capture_reset(self.handle)
+
+    def enable_attention(self, max_cells: int) -> None:
+        """Allocate the attention accumulators (MODE_ATTN reads ``kq_soft_max-<il>``, flash attention off)."""
+        if self.nat.cap.epikv_capture_enable_attention(self.handle, max_cells) != 0:
+            raise NativeError(f"epikv_capture_enable_attention({max_cells}) failed")
+        self._attn = (np.zeros(max_cells, dtype=np.float32), np.zeros(max_cells, dtype=np.float32))
+
+    def take_attention(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(received, last, n_queries) since the last call: per KV cell (column), averaged over the captured
+        layers and heads; ``received`` sums over the query tokens, ``last`` is the newest query's row."""
+        s, last = self._attn
+        ffi = self.nat.ffi
+        n = self.nat.cap.epikv_capture_take_attention(self.handle, ffi.from_buffer("float[]", s),
+                                                      ffi.from_buffer("float[]", last), len(s))
+        if n < 0:
+            raise NativeError("attention capture is not enabled")
+        return s.copy(), last.copy(), n
 
     def probe_nodes(self) -> list[tuple[str, str]]:
         """(name, op) of every node recorded while PROBE mode was on."""

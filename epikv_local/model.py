@@ -15,7 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from .native import (
+    CAPTURE_K,
+    CAPTURE_OUT,
     DECODE_NO_KV_SLOT,
+    LAYER_CAPTURE_BAD_LAYER,
+    LAYER_CAPTURE_LAST_LAYER,
     SEQ_RM_POS_UNSUPPORTED,
     Native,
     NativeError,
@@ -328,24 +332,48 @@ class Context:
         self.nat.lib.llama_set_kv_full_callback(self._ctx_c, _cb, ffi.NULL)
 
     # -- capture (patched API) --------------------------------------------------------------------------
-    def set_layer_out(self, il: int, enable: bool = True) -> None:
-        rc = self.nat.lib.llama_set_layer_out(self._ctx_c, il, enable)
-        if rc == -1:
+    def set_layer_capture(self, il: int, enable: bool = True, kind: int = CAPTURE_OUT) -> None:
+        """Capture layer il's output (kind=CAPTURE_OUT, "l_out") or keys (CAPTURE_K, "Kcur") from now on."""
+        rc = self.nat.lib.llama_set_layer_capture(self._ctx_c, kind, il, enable)
+        if rc == LAYER_CAPTURE_BAD_LAYER:
             raise ValueError(f"layer {il} is out of range for a {self.model.info.n_layer}-layer model")
-        if rc == -2:
+        if rc == LAYER_CAPTURE_LAST_LAYER:
             raise ValueError(f"layer {il} is the last layer, whose output keeps only output rows: not capturable")
         if rc != 0:
-            raise NativeError(f"llama_set_layer_out failed with code {rc}")
+            raise NativeError(f"llama_set_layer_capture failed with code {rc}")
+
+    def set_layer_out(self, il: int, enable: bool = True) -> None:
+        self.set_layer_capture(il, enable, CAPTURE_OUT)
+
+    def layer_capture(self, il: int, n_tokens: int, kind: int = CAPTURE_OUT) -> np.ndarray | None:
+        """Captured rows of layer il for the last decode, shape (n_tokens, n_row) float32 view (valid until the
+        next decode); None when the graph had no such tensor."""
+        ffi = self.nat.ffi
+        n_row = ffi.new("int32_t *")
+        ptr = self.nat.lib.llama_get_layer_capture(self._ctx_c, kind, il, n_row)
+        if ptr == ffi.NULL:
+            return None
+        buf = ffi.buffer(ptr, n_tokens * n_row[0] * 4)
+        return np.frombuffer(buf, dtype=np.float32).reshape(n_tokens, n_row[0])
 
     def layer_out(self, il: int, n_tokens: int) -> np.ndarray | None:
-        """Captured output rows of layer il for the last decode, shape (n_tokens, n_embd) float32 view;
-        None when the graph had no ``l_out-<il>`` tensor."""
-        ptr = self.nat.lib.llama_get_layer_out(self._ctx_c, il)
-        if ptr == self.nat.ffi.NULL:
-            return None
-        n_embd = self.model.info.n_embd
-        buf = self.nat.ffi.buffer(ptr, n_tokens * n_embd * 4)
-        return np.frombuffer(buf, dtype=np.float32).reshape(n_tokens, n_embd)
+        return self.layer_capture(il, n_tokens, CAPTURE_OUT)
+
+    def layer_keys(self, il: int, n_tokens: int) -> np.ndarray | None:
+        """Keys after RoPE of layer il for the last decode: (n_tokens, n_head_kv * head_dim) float32 view."""
+        return self.layer_capture(il, n_tokens, CAPTURE_K)
+
+    def cell_positions(self, seq_id: int = 0) -> np.ndarray:
+        """Position held by each KV cell for seq_id, -1 for cells not holding it: (n_cells,) int32."""
+        out = np.empty(self.n_ctx, dtype=np.int32)
+        n = self.nat.lib.llama_memory_seq_cell_pos(self._mem_c, seq_id, self.nat.ffi.from_buffer("llama_pos[]", out),
+                                                  len(out))
+        if n < 0:
+            raise NativeError(f"llama_memory_seq_cell_pos failed with code {n}")
+        if n > len(out):
+            out = np.empty(n, dtype=np.int32)
+            self.nat.lib.llama_memory_seq_cell_pos(self._mem_c, seq_id, self.nat.ffi.from_buffer("llama_pos[]", out), n)
+        return out[:n]
 
     @property
     def kv_bytes(self) -> int:

@@ -32,9 +32,14 @@ typedef struct llama_memory_i * llama_memory_t;
 struct llama_context;
 
 int32_t llama_memory_seq_rm_pos(llama_memory_t mem, llama_seq_id seq_id, const llama_pos * pos, int32_t n_pos);
-bool    llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
-int32_t llama_set_layer_out(struct llama_context * ctx, int32_t il, bool enable);
-float * llama_get_layer_out(struct llama_context * ctx, int32_t il);
+int32_t llama_memory_seq_cell_pos(llama_memory_t mem, llama_seq_id seq_id, llama_pos * out, int32_t n_out);
+enum llama_layer_capture {
+    LLAMA_LAYER_CAPTURE_OUT   = 0,
+    LLAMA_LAYER_CAPTURE_K     = 1,
+    LLAMA_LAYER_CAPTURE_COUNT = 2,
+};
+int32_t llama_set_layer_capture(struct llama_context * ctx, enum llama_layer_capture kind, int32_t il, bool enable);
+float * llama_get_layer_capture(struct llama_context * ctx, enum llama_layer_capture kind, int32_t il, int32_t * n_row);
 typedef bool (*llama_kv_full_callback)(struct llama_context * ctx, int32_t n_tokens, void * user_data);
 void    llama_set_kv_full_callback(struct llama_context * ctx, llama_kv_full_callback cb, void * user_data);
 """
@@ -42,6 +47,7 @@ void    llama_set_kv_full_callback(struct llama_context * ctx, llama_kv_full_cal
 CAPTURE_CDEF = """
 #define EPIKV_MODE_CAPTURE 1
 #define EPIKV_MODE_PROBE 2
+#define EPIKV_MODE_ATTN 4
 typedef struct epikv_capture epikv_capture;
 struct ggml_tensor;
 epikv_capture * epikv_capture_new(const int32_t * layers, int32_t n_layers, int32_t n_embd, int32_t max_tokens);
@@ -50,17 +56,21 @@ int32_t epikv_capture_set_mode(epikv_capture * cap, int32_t mode);
 bool epikv_capture_cb_eval(struct ggml_tensor * t, bool ask, void * user_data);
 int32_t epikv_capture_take(epikv_capture * cap, float * g_out, int32_t max_rows);
 void epikv_capture_reset(epikv_capture * cap);
+int32_t epikv_capture_enable_attention(epikv_capture * cap, int32_t max_cells);
+int32_t epikv_capture_take_attention(epikv_capture * cap, float * sum_out, float * last_out, int32_t n_cells);
 int64_t epikv_capture_n_captured(const epikv_capture * cap);
 const char * epikv_capture_probe_text(const epikv_capture * cap);
 void epikv_diff_norms(const float * rows, int32_t n_rows, int32_t n_embd, float * prev, int32_t has_prev, float * out);
 """
 
-# llama_memory_seq_rm_pos return codes (patches/0001)
+# llama_memory_seq_rm_pos / llama_memory_seq_cell_pos return codes (patches/0002)
 SEQ_RM_POS_UNSUPPORTED = -1
 SEQ_RM_POS_BAD_ARGS = -2
-# llama_set_layer_out return codes
-LAYER_OUT_BAD_LAYER = -1
-LAYER_OUT_LAST_LAYER = -2
+# llama_set_layer_capture kinds and return codes
+CAPTURE_OUT = 0
+CAPTURE_K = 1
+LAYER_CAPTURE_BAD_LAYER = -1
+LAYER_CAPTURE_LAST_LAYER = -2
 # llama_decode return codes (llama.h)
 DECODE_NO_KV_SLOT = 1
 DECODE_ABORTED = 2

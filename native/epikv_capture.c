@@ -25,6 +25,15 @@ struct epikv_capture {
     int64_t   n_captured;
     char    * probe;       // EPIKV_PROBE_BYTES
     size_t    probe_len;
+    // attention readback
+    int32_t   max_cells;
+    float   * attn_sum;    // [max_cells]
+    float   * attn_last;   // [max_cells]
+    float   * attn_row;    // [max_cells] last token of the current decode, being summed over layers
+    int32_t   attn_tokens; // query tokens accumulated since the last take
+    int32_t   attn_layers_seen; // kq_soft_max tensors seen in the current ubatch
+    float   * attn_scratch;     // grown on demand to hold one kq_soft_max tensor
+    size_t    attn_scratch_n;
 };
 
 void epikv_diff_norms(const float * rows, int32_t n_rows, int32_t n_embd, float * prev, int32_t has_prev, float * out) {
@@ -91,11 +100,18 @@ void epikv_capture_free(epikv_capture * cap) {
     free(cap->n_pending);
     free(cap->scratch);
     free(cap->probe);
+    free(cap->attn_sum);
+    free(cap->attn_last);
+    free(cap->attn_row);
+    free(cap->attn_scratch);
     free(cap);
 }
 
 int32_t epikv_capture_set_mode(epikv_capture * cap, int32_t mode) {
-    if (mode & ~(EPIKV_MODE_CAPTURE | EPIKV_MODE_PROBE)) {
+    if (mode & ~(EPIKV_MODE_CAPTURE | EPIKV_MODE_PROBE | EPIKV_MODE_ATTN)) {
+        return -1;
+    }
+    if ((mode & EPIKV_MODE_ATTN) && !cap->attn_sum) {
         return -1;
     }
     cap->mode      = mode;
@@ -104,15 +120,16 @@ int32_t epikv_capture_set_mode(epikv_capture * cap, int32_t mode) {
     return 0;
 }
 
-// index of the configured layer named by t ("l_out-<il>"), or -1
-static int32_t epikv_layer_slot(const epikv_capture * cap, const struct ggml_tensor * t) {
+// index of the configured layer named by t ("<prefix><il>"), or -1
+static int32_t epikv_named_slot(const epikv_capture * cap, const struct ggml_tensor * t, const char * prefix) {
     const char * name = t->name;
-    if (strncmp(name, "l_out-", 6) != 0) {
+    const size_t n = strlen(prefix);
+    if (strncmp(name, prefix, n) != 0) {
         return -1;
     }
     char * end = NULL;
-    const long il = strtol(name + 6, &end, 10);
-    if (end == name + 6 || *end != '\0') {
+    const long il = strtol(name + n, &end, 10);
+    if (end == name + n || *end != '\0') {
         return -1;
     }
     for (int32_t i = 0; i < cap->n_layers; ++i) {
@@ -121,6 +138,90 @@ static int32_t epikv_layer_slot(const epikv_capture * cap, const struct ggml_ten
         }
     }
     return -1;
+}
+
+static int32_t epikv_layer_slot(const epikv_capture * cap, const struct ggml_tensor * t) {
+    return epikv_named_slot(cap, t, "l_out-");
+}
+
+static int32_t epikv_attn_slot(const epikv_capture * cap, const struct ggml_tensor * t) {
+    return epikv_named_slot(cap, t, "kq_soft_max-");
+}
+
+int32_t epikv_capture_enable_attention(epikv_capture * cap, int32_t max_cells) {
+    if (max_cells <= 0) {
+        return -1;
+    }
+    free(cap->attn_sum);
+    free(cap->attn_last);
+    free(cap->attn_row);
+    cap->attn_sum  = calloc(max_cells, sizeof(float));
+    cap->attn_last = calloc(max_cells, sizeof(float));
+    cap->attn_row  = calloc(max_cells, sizeof(float));
+    cap->max_cells = max_cells;
+    cap->attn_tokens = 0;
+    cap->attn_layers_seen = 0;
+    if (!cap->attn_sum || !cap->attn_last || !cap->attn_row) {
+        return -1;
+    }
+    return 0;
+}
+
+// kq_soft_max-<il>: [n_kv, n_tokens, n_head(, n_stream)] attention weights of one ubatch
+static void epikv_attn_accumulate(epikv_capture * cap, struct ggml_tensor * t) {
+    const int64_t n_kv = t->ne[0], n_tok = t->ne[1], n_head = t->ne[2] * t->ne[3];
+    if (n_kv > cap->max_cells) {
+        return; // more columns than cells: cannot happen for a context of at most max_cells cells
+    }
+    const size_t need = (size_t) n_kv * n_tok * n_head;
+    if (need > cap->attn_scratch_n) {
+        float * grown = realloc(cap->attn_scratch, need * sizeof(float));
+        if (!grown) {
+            return; // out of memory: this step's attention is dropped
+        }
+        cap->attn_scratch   = grown;
+        cap->attn_scratch_n = need;
+    }
+    ggml_backend_tensor_get(t, cap->attn_scratch, 0, ggml_nbytes(t));
+    const float w = 1.0f / (float) (n_head * cap->n_layers);
+    for (int64_t h = 0; h < n_head; ++h) {
+        for (int64_t q = 0; q < n_tok; ++q) {
+            const float * row = cap->attn_scratch + (size_t) (h * n_tok + q) * n_kv;
+            for (int64_t c = 0; c < n_kv; ++c) {
+                cap->attn_sum[c] += w * row[c];
+            }
+            if (q == n_tok - 1) {
+                for (int64_t c = 0; c < n_kv; ++c) {
+                    cap->attn_row[c] += w * row[c];
+                }
+            }
+        }
+    }
+    cap->attn_layers_seen++;
+    if (cap->attn_layers_seen == cap->n_layers) {
+        // all layers of this ubatch seen: its last query token is the newest
+        memcpy(cap->attn_last, cap->attn_row, sizeof(float) * cap->max_cells);
+        memset(cap->attn_row, 0, sizeof(float) * cap->max_cells);
+        cap->attn_layers_seen = 0;
+        cap->attn_tokens += (int32_t) n_tok;
+    }
+}
+
+int32_t epikv_capture_take_attention(epikv_capture * cap, float * sum_out, float * last_out, int32_t n_cells) {
+    if (!cap->attn_sum) {
+        return -1;
+    }
+    const int32_t n = n_cells < cap->max_cells ? n_cells : cap->max_cells;
+    memcpy(sum_out, cap->attn_sum, sizeof(float) * n);
+    memcpy(last_out, cap->attn_last, sizeof(float) * n);
+    for (int32_t c = n; c < n_cells; ++c) {
+        sum_out[c] = 0.0f;
+        last_out[c] = 0.0f;
+    }
+    memset(cap->attn_sum, 0, sizeof(float) * cap->max_cells);
+    const int32_t tokens = cap->attn_tokens;
+    cap->attn_tokens = 0;
+    return tokens;
 }
 
 static void epikv_probe_record(epikv_capture * cap, const struct ggml_tensor * t) {
@@ -140,7 +241,15 @@ bool epikv_capture_cb_eval(struct ggml_tensor * t, bool ask, void * user_data) {
         if (cap->mode & EPIKV_MODE_PROBE) {
             epikv_probe_record(cap, t);
         }
-        return (cap->mode & EPIKV_MODE_CAPTURE) && epikv_layer_slot(cap, t) >= 0;
+        return ((cap->mode & EPIKV_MODE_CAPTURE) && epikv_layer_slot(cap, t) >= 0) ||
+               ((cap->mode & EPIKV_MODE_ATTN) && epikv_attn_slot(cap, t) >= 0);
+    }
+
+    if ((cap->mode & EPIKV_MODE_ATTN) && epikv_attn_slot(cap, t) >= 0) {
+        if (t->type == GGML_TYPE_F32 && ggml_is_contiguous(t)) {
+            epikv_attn_accumulate(cap, t);
+        }
+        return true;
     }
 
     // data phase: never return false here, it would silently skip the rest of the graph

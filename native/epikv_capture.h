@@ -24,6 +24,7 @@ struct ggml_tensor;
 // Mode bits, combinable (0 = idle: every node is answered "no" at the cost of one call).
 #define EPIKV_MODE_CAPTURE 1  // capture the l_out-<il> tensors of the configured layers
 #define EPIKV_MODE_PROBE   2  // record "<name>\t<op>\n" for every node of the graphs computed meanwhile
+#define EPIKV_MODE_ATTN    4  // accumulate the attention weights "kq_soft_max-<il>" (flash attention off)
 
 typedef struct epikv_capture epikv_capture;
 
@@ -48,6 +49,18 @@ bool epikv_capture_cb_eval(struct ggml_tensor * t, bool ask, void * user_data);
 // Returns the number of tokens written (>= 0), -1 if the layers captured unequal token counts (a layer
 // missing from the graph), -2 if more than max_rows tokens are pending.
 int32_t epikv_capture_take(epikv_capture * cap, float * g_out, int32_t max_rows);
+
+// Attention readback (EPIKV_MODE_ATTN, needs flash attention off so that kq_soft_max exists). Allocates
+// accumulators for up to max_cells KV cells. Returns 0, -1 when out of memory or max_cells <= 0.
+int32_t epikv_capture_enable_attention(epikv_capture * cap, int32_t max_cells);
+
+// Move the attention accumulated since the last call into sum_out and last_out ([n_cells] each, column c =
+// KV cell c; cells beyond the graph's n_kv get 0). Both are averaged over the captured layers and heads, so
+// every query token contributes a total mass of 1:
+//   sum_out[c]  = sum over the query tokens of the decodes since the last take (H2O "attention received"),
+//   last_out[c] = the last query token of the last decode (TOVA).
+// Returns the number of query tokens accumulated (>= 0), -1 if attention capture is not enabled.
+int32_t epikv_capture_take_attention(epikv_capture * cap, float * sum_out, float * last_out, int32_t n_cells);
 
 // Forget the previous hidden state of every layer (the next token's g is NaN). Call at a sequence start.
 void epikv_capture_reset(epikv_capture * cap);

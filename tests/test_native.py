@@ -140,3 +140,63 @@ def test_graph_nodes_show_flash_attention(model, nat, tokens, flash_attn):
     else:
         assert has_softmax and not has_fa
         assert not flash_attn_active(nodes)
+
+
+def test_key_capture_rows_and_identity(model, tokens):
+    """Captured keys have n_head_kv * head_dim floats per token, match between batch splits, and leave the
+    logits bit-identical."""
+    n = 32
+    head_dim = model.info.n_embd // model.info.n_head
+    with Context(model, n_ctx=128, n_batch=64) as plain:
+        ref = run_logits(plain, tokens[:n])
+    with Context(model, n_ctx=128, n_batch=64) as ctx:
+        ctx.set_layer_capture(model.info.n_layer - 1, True, kind=1)  # keys of the last layer are capturable
+        ctx.set_layer_capture(3, True, kind=1)
+        got = run_logits(ctx, tokens[:n])
+        k_all = ctx.layer_keys(3, n).copy()
+    assert np.array_equal(ref, got)
+    assert k_all.shape == (n, model.info.n_head_kv * head_dim)
+    with Context(model, n_ctx=128, n_batch=64) as ctx:
+        ctx.set_layer_capture(3, True, kind=1)
+        ctx.decode(tokens[:20], np.arange(20))
+        k1 = ctx.layer_keys(3, 20).copy()
+        ctx.decode(tokens[20:n], np.arange(20, n))
+        k2 = ctx.layer_keys(3, n - 20).copy()
+    np.testing.assert_allclose(np.vstack([k1, k2]), k_all, rtol=1e-4, atol=1e-4)
+
+
+def test_cell_positions_follow_removals(model, tokens):
+    with Context(model, n_ctx=128, n_batch=64) as ctx:
+        ctx.decode(tokens[:30], np.arange(30))
+        cells = ctx.cell_positions()
+        assert sorted(cells[cells >= 0].tolist()) == list(range(30))
+        ctx.seq_rm_positions(np.array([2, 7, 8]))
+        cells = ctx.cell_positions()
+        assert sorted(cells[cells >= 0].tolist()) == [p for p in range(30) if p not in (2, 7, 8)]
+        ctx.decode(tokens[30:32], [30, 31])  # freed cells are reused
+        cells = ctx.cell_positions()
+        assert sorted(cells[cells >= 0].tolist()) == [p for p in range(32) if p not in (2, 7, 8)]
+
+
+def test_attention_readback_with_flash_attention_off(model, nat, tokens):
+    from epikv_local.capture import MODE_ATTN
+
+    layers = (2, 9)
+    with CallbackHandle(nat, layers, model.info.n_embd, 64, 0) as h:
+        h.enable_attention(256)
+        h.set_mode(MODE_ATTN)
+        with Context(model, n_ctx=256, n_batch=64, flash_attn=False,
+                     cb_eval=h.cb_eval, cb_eval_user_data=h.user_data) as ctx:
+            ctx.decode(tokens[:20], np.arange(20))
+            received, last, nq = h.take_attention()
+            cells = ctx.cell_positions()
+            ctx.decode(tokens[20:21], [20])
+            received2, last2, nq2 = h.take_attention()
+    assert nq == 20 and nq2 == 1
+    # every query distributes a mass of 1 over the cells it may see (causal)
+    assert abs(received.sum() - 20) < 1e-3
+    assert abs(last.sum() - 1) < 1e-4 and abs(last2.sum() - 1) < 1e-4
+    # the last query of the first batch sees exactly the 20 cells holding positions 0..19
+    seen = np.flatnonzero(last > 0)
+    assert sorted(cells[seen].tolist()) == list(range(20))
+    np.testing.assert_allclose(received2, last2, rtol=1e-6)
