@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .capture import (
+    MODE_ATTN,
     MODE_CAPTURE,
     MODE_IDLE,
     MODE_PROBE,
@@ -25,6 +26,7 @@ from .capture import (
 from .eviction import BudgetConfig, EvictionEngine
 from .model import Context, Model
 from .policies import Policy
+from .policies.base import Observation
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,28 @@ class Session:
             if not 0 <= il < info.n_layer - 1:
                 raise ValueError(f"layer {il} is beyond what a {info.n_layer}-layer model can capture "
                                  f"(0..{info.n_layer - 2})")
+        self.key_layers = policy.key_layers(info.n_layer)
+        for il in self.key_layers:
+            if not 0 <= il < info.n_layer:
+                raise ValueError(f"key layer {il} is beyond this {info.n_layer}-layer model")
+        if policy.needs_attention and self.cfg.flash_attn:
+            raise ValueError(f"policy {policy.name!r} reads the attention matrix, which flash attention never "
+                             "materialises: run it with flash attention off (--no-flash-attn)")
         self._handle: CallbackHandle | None = None
-        want_cb = self.cfg.verify_flash_attn or (self.layers and self.cfg.capture_route == "callback")
-        if want_cb:
-            mode = (MODE_PROBE if self.cfg.verify_flash_attn else 0) | (
-                MODE_CAPTURE if self.layers and self.cfg.capture_route == "callback" else 0)
-            self._handle = CallbackHandle(model.nat, self.layers or (0,), info.n_embd, self.cfg.n_batch, mode)
+        self._run_mode = (MODE_CAPTURE if self.layers and self.cfg.capture_route == "callback" else 0) | (
+            MODE_ATTN if policy.needs_attention else 0)
+        if self.cfg.verify_flash_attn or self._run_mode:
+            mode = (MODE_PROBE if self.cfg.verify_flash_attn else 0) | self._run_mode
+            if policy.needs_attention:
+                cb_layers = policy.attention_layers(info.n_layer)
+                if self.layers and self.cfg.capture_route == "callback" and set(cb_layers) != set(self.layers):
+                    raise ValueError("the callback capture route and attention readback need the same layers")
+            else:
+                cb_layers = self.layers or (0,)
+            self._handle = CallbackHandle(model.nat, cb_layers, info.n_embd, self.cfg.n_batch, 0)
+            if policy.needs_attention:
+                self._handle.enable_attention(budget.kv_budget + self.cfg.n_batch + 256)
+            self._handle.set_mode(mode)
         try:
             self.ctx = Context(model, n_ctx=budget.kv_budget + self.cfg.n_batch, n_batch=self.cfg.n_batch,
                                flash_attn=self.cfg.flash_attn, n_threads=self.cfg.n_threads,
@@ -89,6 +107,8 @@ class Session:
         if self.layers:
             self.capture = (LayerOutCapture(self.ctx, self.layers) if self.cfg.capture_route == "layer_out"
                             else CallbackCapture(self._handle))
+        for il in self.key_layers:
+            self.ctx.set_layer_capture(il, True, kind=1)
         self.engine = EvictionEngine(self.ctx, policy, budget, record=record)
         self.ctx.set_kv_full_callback(self.engine.on_kv_full)
         self.flash_attn: bool | None = None  # known after the first decode when verified
@@ -155,14 +175,30 @@ class Session:
         self.n_past += n
         if self.flash_attn is None and self._handle is not None and self.cfg.verify_flash_attn:
             self._check_flash_attn()
-        g = self.capture.after_decode(n) if self.capture else None
-        self.policy.observe(pos, g)
+        self.policy.observe(self._observe(pos))
+
+    def _observe(self, pos: np.ndarray) -> Observation:
+        n = len(pos)
+        obs = Observation(positions=pos)
+        if self.capture:
+            obs.g = self.capture.after_decode(n)
+        if self.key_layers:
+            rows = [self.ctx.layer_keys(il, n) for il in self.key_layers]
+            if any(r is None for r in rows):
+                raise RuntimeError(f"architecture {self.model.info.arch!r} names no Kcur tensor: key capture fails")
+            obs.keys = np.stack(rows, axis=1).copy()
+        if self.policy.needs_attention:
+            obs.attn_received, obs.attn_last, _ = self._handle.take_attention()
+            obs.cell_pos = self.ctx.cell_positions()
+            n_cells = len(obs.cell_pos)
+            obs.attn_received = obs.attn_received[:n_cells]
+            obs.attn_last = obs.attn_last[:n_cells]
+        return obs
 
     def _check_flash_attn(self) -> None:
         self.graph_nodes = self._handle.probe_nodes()
         self.flash_attn = flash_attn_active(self.graph_nodes)
-        keep = MODE_CAPTURE if (self.layers and self.cfg.capture_route == "callback") else MODE_IDLE
-        self._handle.set_mode(keep)
+        self._handle.set_mode(self._run_mode or MODE_IDLE)
         if self.cfg.flash_attn and not self.flash_attn:
             raise FlashAttnError("flash attention was requested but the decode graph has no FLASH_ATTN_EXT node "
                                  "(or still has kq_soft_max): this backend cannot honour it")
@@ -171,6 +207,5 @@ class Session:
         """Record the node list of the next decode (tests, diagnostics)."""
         if self._handle is None:
             raise RuntimeError("the session has no eval-callback handle (verify_flash_attn=False)")
-        mode = MODE_PROBE | (MODE_CAPTURE if (self.layers and self.cfg.capture_route == "callback") else 0)
-        self._handle.set_mode(mode)
+        self._handle.set_mode(MODE_PROBE | self._run_mode)
         self.flash_attn = None

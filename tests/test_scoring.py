@@ -418,7 +418,14 @@ def test_causality(normalization):
 
 
 def test_no_native_imports():
-    assert "llama_cpp" not in sys.modules
+    """The scoring math and the selection step import numpy only (checked in a fresh interpreter)."""
+    import subprocess
+
+    code = ("import sys, epikv_local.scoring, epikv_local.selection; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('llama_cpp', 'cffi') or m == 'epikv_local.native']; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("scale", [0.1, 1e3, 1e6])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Policy
+from .base import Observation, Policy
 from .epikv import EpikvPolicy
 from .none import NoEviction
 from .streaming import StreamingLLM
@@ -23,4 +23,4 @@ def make_policy(name: str, **kwargs) -> Policy:
     return factory(**kwargs)
 
 
-__all__ = ["Policy", "EpikvPolicy", "StreamingLLM", "NoEviction", "REGISTRY", "make_policy"]
+__all__ = ["Observation", "Policy", "EpikvPolicy", "StreamingLLM", "NoEviction", "REGISTRY", "make_policy"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..scoring import ScoringConfig, StreamingScorer
-from .base import Policy
+from .base import Observation, Policy, PositionScores
 
 
 class EpikvPolicy(Policy):
@@ -20,7 +20,7 @@ class EpikvPolicy(Policy):
         self.cfg = cfg or ScoringConfig()
         self._layers: tuple[int, ...] | None = None
         self._scorer: StreamingScorer | None = None
-        self._scores = np.full(1024, np.nan)
+        self._scores = PositionScores()
 
     def layers(self, n_layer: int) -> tuple[int, ...]:
         layers = self.cfg.layers_for_depth(n_layer)
@@ -32,21 +32,15 @@ class EpikvPolicy(Policy):
     def reset(self) -> None:
         if self._scorer is not None:
             self._scorer.reset()
-        self._scores[:] = np.nan
+        self._scores.reset()
 
-    def observe(self, positions: np.ndarray, g: np.ndarray | None) -> None:
-        if self._scorer is None or g is None:
-            raise RuntimeError("EpikvPolicy.observe before layers(): the engine must set up capture first")
-        s = self._scorer.update(g)
-        top = int(positions.max()) + 1
-        if top > len(self._scores):
-            grown = np.full(max(top, 2 * len(self._scores)), np.nan)
-            grown[: len(self._scores)] = self._scores
-            self._scores = grown
-        self._scores[positions] = s
+    def observe(self, obs: Observation) -> None:
+        if self._scorer is None or obs.g is None:
+            raise RuntimeError("EpikvPolicy.observe without g: the session must capture layers() first")
+        self._scores.set(obs.positions, self._scorer.update(obs.g))
 
     def score(self, positions: np.ndarray) -> np.ndarray:
-        return self._scores[positions]
+        return self._scores.get(positions)
 
     def describe(self) -> dict:
         c = self.cfg
