@@ -79,3 +79,18 @@ def test_architecture_without_l_out(tmp_path):
     w.close()
     r = cli("generate", "--model", str(path), "--prompt", "hi")
     one_line_error(r, "could not load")
+
+
+def test_readme_python_example_runs(tmp_path):
+    """The README's Python example, executed as written (on the cached default model)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert blocks, "README has no python example"
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0])
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "live cells:" in r.stdout

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Decode-speed overhead of EPIKV (capture + scoring + eviction) against plain llama.cpp decoding.
+
+All variants use the same patched build, the same model, the same budget-sized context
+(n_ctx = kv_budget + n_batch), the same prompt and greedy decoding; they run alternately, several times,
+in one process, and the script reports the median of the per-round ratios to ``plain``:
+
+* ``plain``            policy none, no eval callback, no capture (llama.cpp as it is);
+* ``plain+probe``      policy none with the idle eval callback that verifies flash attention;
+* ``epikv/layer_out``  EPIKV, capture through the patched llama_set_layer_capture (the default);
+* ``epikv/callback``   EPIKV, capture through the C eval callback (one graph split per captured layer);
+* ``streaming``        StreamingLLM through the same engine (eviction cost without capture).
+
+Steady state at equal occupancy: the prompt fills kv_budget - n_batch cells, then ``--tokens`` tokens are
+decoded; plain decoding fills the context's slack, the evicting policies hold it at the budget.
+Results: ``results/overhead.json`` (with the command, git revision and machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = {
+    "plain": dict(policy="none", route="layer_out", verify=False),
+    "plain+probe": dict(policy="none", route="layer_out", verify=True),
+    "epikv/layer_out": dict(policy="epikv", route="layer_out", verify=True),
+    "epikv/callback": dict(policy="epikv", route="callback", verify=True),
+    "streaming": dict(policy="streaming", route="layer_out", verify=True),
+}
+
+
+def git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def one_run(model, variant: dict, prompt: list[int], n_tokens: int, budget: int, n_batch: int,
+            threads: int | None) -> dict:
+    from epikv_local.eviction import BudgetConfig
+    from epikv_local.generate import SamplingConfig, generate
+    from epikv_local.policies import make_policy
+    from epikv_local.session import Session, SessionConfig
+
+    cfg = SessionConfig(n_batch=n_batch, n_threads=threads, capture_route=variant["route"],
+                        verify_flash_attn=variant["verify"])
+    bcfg = BudgetConfig(kv_budget=budget, protect_prompt=False)
+    with Session(model, make_policy(variant["policy"]), bcfg, cfg) as s:
+        if variant["policy"] == "none":  # the slack of the context holds the generated tokens
+            s.engine.cfg = BudgetConfig(kv_budget=s.ctx.n_ctx, protect_prompt=False)
+        res = generate(s, prompt, n_tokens, SamplingConfig(), ignore_eog=True)
+        st = s.engine.stats
+        return {"tps": res.stats.decode_tokens_per_s, "n_evicted": st.n_evicted, "rounds": st.n_rounds,
+                "evict_s": st.evict_seconds, "max_live": st.max_live, "n_ctx": s.ctx.n_ctx,
+                "flash_attn": res.stats.flash_attn}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--kv-budget", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per run")
+    ap.add_argument("--rounds", type=int, default=7, help="alternating rounds over all variants")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default=str(ROOT / "results" / "overhead.json"))
+    args = ap.parse_args(argv)
+
+    from epikv_local.default_model import default_model_path
+    from epikv_local.model import Model, check_gguf
+
+    names = [v for v in args.variants.split(",") if v]
+    for v in names:
+        if v not in VARIANTS:
+            print(f"bench_overhead: error: unknown variant {v!r}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+            return 2
+    path = check_gguf(args.model) if args.model else default_model_path()
+    traces = ROOT.parent / "shared" / "data" / "r1_traces_dev.jsonl"
+    with Model(path) as model:
+        text = "\n".join(json.loads(line)["trace"] for line in traces.read_text().splitlines()[:6])
+        prompt = model.tokenize(text)[: args.kv_budget - args.batch]
+        runs: dict[str, list[dict]] = {v: [] for v in names}
+        one_run(model, VARIANTS[names[0]], prompt, 16, args.kv_budget, args.batch, args.threads)  # warm-up
+        for r in range(args.rounds):
+            order = names if r % 2 == 0 else names[::-1]
+            for v in order:
+                runs[v].append(one_run(model, VARIANTS[v], prompt, args.tokens, args.kv_budget, args.batch,
+                                       args.threads))
+            print(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{v}={runs[v][-1]['tps']:.1f}" for v in names),
+                  file=sys.stderr)
+    summary = {}
+    for v in names:
+        tps = [x["tps"] for x in runs[v]]
+        ratios = [x["tps"] / p["tps"] for x, p in zip(runs[v], runs["plain"])] if "plain" in runs else []
+        rounds = sum(x["rounds"] for x in runs[v])
+        summary[v] = {
+            "median_tokens_per_s": statistics.median(tps),
+            "median_ratio_to_plain": statistics.median(ratios) if ratios else None,
+            "ratios": ratios,
+            "tokens_per_s": tps,
+            "evictions_per_run": runs[v][0]["n_evicted"],
+            "mean_eviction_round_ms": 1000 * sum(x["evict_s"] for x in runs[v]) / rounds if rounds else None,
+            "max_live_cells": max(x["max_live"] for x in runs[v]),
+            "n_ctx": runs[v][0]["n_ctx"],
+            "flash_attn": all(x["flash_attn"] for x in runs[v]) if runs[v][0]["flash_attn"] is not None else None,
+        }
+    out = {
+        "benchmark": "decode overhead, ratios to plain measured side by side in one process",
+        "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:])),
+        "git": git_rev(), "model": str(path), "kv_budget": args.kv_budget, "n_batch": args.batch,
+        "prompt_tokens": len(prompt), "decoded_tokens": args.tokens, "rounds": args.rounds,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "variants": summary,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{'variant':18} {'tok/s':>8} {'ratio':>7} {'evicted/run':>12} {'ms/evict round':>15}")
+    for v, s in summary.items():
+        ratio = f"{s['median_ratio_to_plain']:.3f}" if s["median_ratio_to_plain"] is not None else "-"
+        ms = f"{s['mean_eviction_round_ms']:.3f}" if s["mean_eviction_round_ms"] is not None else "-"
+        print(f"{v:18} {s['median_tokens_per_s']:8.1f} {ratio:>7} {s['evictions_per_run']:12d} {ms:>15}")
+    print(f"written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
