@@ -177,17 +177,19 @@ class Model:
 
 
 class Context:
-    """A llama_context for one sequence (seq 0), flash attention requested as ENABLED.
+    """A llama_context (flash attention requested as ENABLED), for sequence 0 unless n_seq_max > 1.
 
     n_ctx: KV cells allocated (the eviction engine sizes it as budget + one ubatch).
     n_batch: the largest number of tokens one ``decode`` call may take (== n_ubatch).
     capture: optional eval-callback capture handle (``capture.EvalCallbackCapture``) whose C callback is
     installed as ``cb_eval``; it must outlive the context.
+    n_seq_max: sequences the context holds; with more than one the KV cache is unified (cells shared across
+    sequences, so ``seq_copy`` is cheap: used to branch a prefix, e.g. for counterfactual labels).
     """
 
     def __init__(self, model: Model, n_ctx: int, n_batch: int = 64, flash_attn: bool = True,
                  n_threads: int | None = None, cb_eval=None, cb_eval_user_data: int = 0,
-                 type_k: str = "f16", type_v: str = "f16"):
+                 type_k: str = "f16", type_v: str = "f16", n_seq_max: int = 1):
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         if n_batch < 1:
@@ -199,7 +201,10 @@ class Context:
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = n_batch
-        p.n_seq_max = 1
+        if n_seq_max < 1:
+            raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
+        p.n_seq_max = n_seq_max
+        p.kv_unified = n_seq_max > 1
         threads = n_threads or max(1, os.cpu_count() or 1)
         p.n_threads = threads
         p.n_threads_batch = threads
@@ -226,7 +231,7 @@ class Context:
         self.mem = ll.llama_get_memory(handle)
         self._mem_c = self.nat.as_cffi("llama_memory_t", self.mem)
         self._ctx_c = self.nat.as_cffi("struct llama_context *", handle)
-        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        self._batch = ll.llama_batch_init(n_batch, 0, n_seq_max)
         self._kv_full_cb = None
 
     # -- ownership --------------------------------------------------------------------------------------
@@ -311,6 +316,10 @@ class Context:
         """Remove positions [p0, p1) of seq_id (stock llama_memory_seq_rm)."""
         if not self.nat.llama.llama_memory_seq_rm(self.mem, seq_id, p0, p1):
             raise NativeError(f"llama_memory_seq_rm({seq_id}, {p0}, {p1}) failed")
+
+    def seq_copy(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make seq ``dst`` share the cells of ``src`` in [p0, p1) (llama_memory_seq_cp; no data copy when unified)."""
+        self.nat.llama.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
 
     def clear(self) -> None:
         self.nat.llama.llama_memory_clear(self.mem, True)
