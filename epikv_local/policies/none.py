@@ -1,4 +1,4 @@
-"""No eviction: plain llama.cpp behaviour, the cache simply fills up."""
+"""No eviction: plain llama.cpp behaviour, the cache simply fills up. Signal read: none."""
 
 from __future__ import annotations
 

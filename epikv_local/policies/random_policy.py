@@ -1,0 +1,35 @@
+"""Random eviction: a sanity baseline every real policy must beat.
+
+Scores: each position gets one uniform [0, 1) draw when it is first observed (a seeded ``numpy`` Generator),
+so the ranking is fixed for the token's lifetime and deterministic for a given seed and token order.
+Signal read: none (only the positions of each decode), hence no capture cost at all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Observation, Policy, PositionScores
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._scores = PositionScores()
+        self.reset()
+
+    def reset(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+        self._scores.reset()
+
+    def observe(self, obs: Observation) -> None:
+        if len(obs.positions):
+            self._scores.set(obs.positions, self._rng.random(len(obs.positions)))
+
+    def score(self, positions: np.ndarray) -> np.ndarray:
+        return np.array(self._scores.get(positions), dtype=np.float64)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "seed": self.seed}

@@ -1,0 +1,297 @@
+#!/usr/bin/env python
+"""Teacher-forced fidelity benchmark: evicted vs full-cache next-token distributions on reasoning traces.
+
+For every trace x policy x budget it runs a teacher-forced pass with the KV budget enforced and compares each
+position t >= budget with a full-cache pass (ΔNLL of the true next token, top-1 agreement, KL(full || evicted)).
+See ``epikv_local/fidelity.py`` for the definitions.
+
+Writes ``<out>/fidelity_<name>.jsonl`` (one row per trace x policy x budget) and
+``<out>/fidelity_<name>_summary.json`` (per policy x budget: means with bootstrap 95% CIs over traces, plus
+provenance), and prints a table. Progress goes to stderr. Bad input: one line ``bench_fidelity: error: ...``,
+exit 2.
+
+Examples:
+  .venv/bin/python scripts/bench_fidelity.py --quick
+  .venv/bin/python scripts/bench_fidelity.py --n-traces 8 --budgets 128,256,512,1024 --max-tokens 1536
+  .venv/bin/python scripts/bench_fidelity.py --text-file notes.txt --budgets 256 --policies streaming,epikv
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # the source tree (the installed copy may predate epikv_local.fidelity)
+
+PROG = "bench_fidelity"
+DEFAULT_TRACES = REPO.parent / "shared" / "data" / "r1_traces_dev.jsonl"
+QUICK_TOKENS = 300
+QUICK_BUDGETS = [128]
+QUICK_POLICIES = ["streaming", "epikv"]
+
+
+class BenchError(Exception):
+    """Bad input: reported as one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage + message by default)
+        raise BenchError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description="Teacher-forced fidelity of KV-cache eviction policies (ΔNLL, top-1, KL).")
+    ap.add_argument("--model", help="GGUF model (default: the cached default model)")
+    ap.add_argument("--traces", default=str(DEFAULT_TRACES),
+                    help="JSONL traces with 'problem' and 'trace' fields (default: ../shared/data/r1_traces_dev.jsonl)")
+    ap.add_argument("--text-file", help="evaluate one plain text file as a single trace instead of --traces")
+    ap.add_argument("--n-traces", type=int, default=8, help="traces to evaluate (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=1536, help="tokens per trace (truncated; default 1536)")
+    ap.add_argument("--budgets", default="128,256,512,1024", help="comma-separated KV budgets (default 128,256,512,1024)")
+    ap.add_argument("--policies", help="comma-separated policies (default: every registered policy except none)")
+    ap.add_argument("--chunk", type=int, default=16, help="tokens per decode (default 16)")
+    ap.add_argument("--n-sink", type=int, default=4, help="protected first tokens (default 4)")
+    ap.add_argument("--recent-fraction", type=float, default=0.5, help="protected recent share of the budget (0.5)")
+    ap.add_argument("--no-flash-attn", action="store_true",
+                    help="run every pass with flash attention off (attention policies always run with it off)")
+    ap.add_argument("--file-order", action="store_true",
+                    help="take traces in file order (default: round-robin over the trace generators)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke run: one {QUICK_TOKENS}-token trace, budget {QUICK_BUDGETS[0]}, "
+                         f"policies {','.join(QUICK_POLICIES)}")
+    ap.add_argument("--name", help="run name in the output file names (default: quick / the data file's stem)")
+    ap.add_argument("--out", default="results", help="output directory (default results/)")
+    ap.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    ap.add_argument("--calibration", help="also run 'epikv_calibrated': EPIKV with the layers/window/recent share of "
+                                          "this calibration JSON ('auto': the model's cached calibration)")
+    ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    ap.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    return ap
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise BenchError(f"{what} list is empty")
+    try:
+        vals = [int(t) for t in items]
+    except ValueError:
+        raise BenchError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in vals):
+        raise BenchError(f"{what} must be >= 1, got {text!r}")
+    return sorted(set(vals))
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+        if not rev:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def model_fingerprint(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return {"path": str(path), "size_bytes": path.stat().st_size, "sha256_first_1MiB": h.hexdigest()}
+
+
+def _fmt_ci(m: dict, spec: str) -> str:
+    return f"{m['mean']:{spec}} [{m['ci_low']:{spec}},{m['ci_high']:{spec}}]"
+
+
+def print_table(summary: list[dict], file=sys.stdout) -> None:
+    budgets = sorted({s["kv_budget"] for s in summary})
+    policies = list(dict.fromkeys(s["policy"] for s in summary))
+    by = {(s["policy"], s["kv_budget"]): s for s in summary}
+    for metric, title, spec in (("delta_nll", "mean ΔNLL (nats/token, lower is better)", "+.4f"),
+                                ("top1_agreement", "top-1 agreement with the full cache", ".3f"),
+                                ("kl", "mean KL(full || evicted) (nats)", ".4f")):
+        print(f"\n{title}; mean [95% CI over traces]", file=file)
+        w = max(26, max(len(_fmt_ci(s[metric], spec)) for s in summary) + 2)
+        print(f"{'policy':<14}" + "".join(f"{'budget ' + str(b):>{w}}" for b in budgets), file=file)
+        for p in policies:
+            cells = [(_fmt_ci(by[(p, b)][metric], spec) if (p, b) in by else "-") for b in budgets]
+            print(f"{p:<14}" + "".join(f"{c:>{w}}" for c in cells), file=file)
+    n = max(s["n_traces"] for s in summary)
+    print(f"\n(n_traces = {n}; seconds per pass: "
+          + ", ".join(f"{p} {sum(by[(p, b)]['seconds_per_pass'] for b in budgets if (p, b) in by) / sum(1 for b in budgets if (p, b) in by):.1f}"
+                      for p in policies) + ")", file=file)
+
+
+def run(args) -> int:
+    from epikv_local.default_model import default_model_path
+    from epikv_local.fidelity import evaluate_trace, load_traces, summarize
+    from epikv_local.model import Model, check_gguf
+    from epikv_local.policies import REGISTRY
+
+    if args.quick:
+        max_tokens, budgets, n_traces = QUICK_TOKENS, list(QUICK_BUDGETS), 1
+        policies = list(QUICK_POLICIES) if args.policies is None else None
+    else:
+        max_tokens, n_traces = args.max_tokens, args.n_traces
+        budgets = _int_list(args.budgets, "budgets")
+        policies = None
+    if policies is None:
+        if args.policies is None:
+            policies = [p for p in REGISTRY if p != "none"]
+        else:
+            policies = list(dict.fromkeys(t.strip() for t in args.policies.split(",") if t.strip()))
+    cal = None
+    if args.calibration:
+        from epikv_local.calibration import load_file, load_for_model
+        from epikv_local.policies.epikv import EpikvPolicy
+
+        if args.calibration == "auto":
+            cal = load_for_model(Path(args.model).expanduser() if args.model else default_model_path())
+            if cal is None:
+                raise BenchError("--calibration auto: this model has no calibration (run epikv-local calibrate)")
+        else:
+            if not Path(args.calibration).is_file():
+                raise BenchError(f"calibration file not found: {args.calibration}")
+            cal = load_file(args.calibration)
+        REGISTRY["epikv_calibrated"] = lambda _c=cal: EpikvPolicy(_c.scoring_config(), name="epikv_calibrated")
+        policies = [p for p in policies if p != "epikv_calibrated"]
+        _log(f"epikv_calibrated: layers {cal.layer_a},{cal.layer_b} window {cal.window} recent share "
+             f"{cal.recent_fraction} ({cal.path})")
+    if not policies and cal is None:
+        raise BenchError("policy list is empty")
+    for p in policies:
+        if p not in REGISTRY:
+            raise BenchError(f"unknown policy {p!r}; choose from {', '.join(sorted(REGISTRY))}")
+        if p == "none":
+            raise BenchError("policy 'none' is the full-cache reference; it cannot run under a budget")
+    if n_traces < 1:
+        raise BenchError(f"--n-traces must be >= 1, got {n_traces}")
+    if max_tokens < 2:
+        raise BenchError(f"--max-tokens must be >= 2, got {max_tokens}")
+    if args.chunk < 1:
+        raise BenchError(f"--chunk must be >= 1, got {args.chunk}")
+    if not 0.0 <= args.recent_fraction < 1.0:
+        raise BenchError(f"--recent-fraction must be in [0, 1), got {args.recent_fraction}")
+    kept = [b for b in budgets if b < max_tokens - 1]
+    if not kept:
+        raise BenchError(f"no budget below --max-tokens {max_tokens}: nothing to evaluate")
+    for b in budgets:
+        if b not in kept:
+            _log(f"skipping budget {b}: not below the {max_tokens}-token trace length, nothing would be evaluated")
+    budgets = kept
+
+    model_path = Path(args.model).expanduser() if args.model else default_model_path()
+    check_gguf(model_path)
+    source = Path(args.text_file) if args.text_file else Path(args.traces)
+    if not source.is_file():
+        raise BenchError(f"{'text' if args.text_file else 'trace'} file not found: {source}")
+    name = args.name or ("quick" if args.quick else source.stem)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    t_start = time.perf_counter()
+    with Model(model_path) as model:
+        if args.text_file:
+            text = source.read_text(encoding="utf-8", errors="replace")
+            toks = model.tokenize(text)[:max_tokens]
+            if len(toks) < min(budgets) + 2:
+                raise BenchError(f"{source} has {len(toks)} tokens, too few for the smallest budget {min(budgets)}")
+            traces = [(source.name, toks)]
+            for b in budgets:
+                if b >= len(toks) - 1:
+                    _log(f"skipping budget {b}: not below the text's {len(toks)} tokens")
+        else:
+            traces = load_traces(source, model, max_tokens, n_traces=n_traces,
+                                 min_tokens=max_tokens, interleave_sources=not args.file_order)
+            if not traces:
+                raise BenchError(f"no trace in {source} has {max_tokens} tokens")
+            if len(traces) < n_traces:
+                _log(f"only {len(traces)} traces of {source} have {max_tokens} tokens (asked for {n_traces})")
+        _log(f"model {model_path.name}; {len(traces)} trace(s) x {len(policies)} policies x budgets "
+             f"{','.join(map(str, budgets))}; chunk {args.chunk}")
+        rows = []
+        jsonl = out_dir / f"fidelity_{name}.jsonl"
+        with open(jsonl, "w") as f:
+            for i, (tid, toks) in enumerate(traces):
+                _log(f"trace {i + 1}/{len(traces)} {tid} ({len(toks)} tokens)")
+                trace_rows = evaluate_trace(model, toks, policies, budgets, chunk=args.chunk, n_sink=args.n_sink,
+                                            recent_fraction=args.recent_fraction,
+                                            flash_attn=not args.no_flash_attn, n_threads=args.threads,
+                                            progress=lambda m: _log("  " + m))
+                if cal is not None:  # its own recent share, so its own evaluate_trace call
+                    trace_rows += evaluate_trace(model, toks, ["epikv_calibrated"], budgets, chunk=args.chunk,
+                                                 n_sink=args.n_sink, recent_fraction=cal.recent_fraction,
+                                                 flash_attn=not args.no_flash_attn, n_threads=args.threads,
+                                                 progress=lambda m: _log("  " + m))
+                for r in trace_rows:
+                    r = {"trace_id": tid, **r, "model": model_path.name}
+                    rows.append(r)
+                    f.write(json.dumps(r) + "\n")
+                f.flush()
+
+    summary = summarize(rows, n_resamples=args.bootstrap, seed=args.seed)
+    wall = time.perf_counter() - t_start
+    doc = {
+        "command": shlex.join([sys.executable] + sys.argv),
+        "git_revision": git_revision(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpu_count": os.cpu_count(), "threads": args.threads or os.cpu_count()},
+        "model": model_fingerprint(model_path),
+        "settings": {"source": str(source), "traces": [t for t, _ in traces], "n_traces": len(traces),
+                     "max_tokens": max_tokens, "budgets": budgets, "policies": policies, "chunk": args.chunk,
+                     "n_sink": args.n_sink, "recent_fraction": args.recent_fraction,
+                     "flash_attn": not args.no_flash_attn, "protect_prompt": False,
+                     "trace_order": "file" if args.file_order else "interleave_sources",
+                     "calibration": (None if cal is None else
+                                     {"path": cal.path, "layer_a": cal.layer_a, "layer_b": cal.layer_b,
+                                      "window": cal.window, "recent_fraction": cal.recent_fraction}),
+                     "bootstrap_resamples": args.bootstrap, "seed": args.seed, "quick": bool(args.quick),
+                     "metrics_at": "positions t >= kv_budget (prediction of token t+1)"},
+        "wall_seconds": round(wall, 1),
+        "results": summary,
+    }
+    summary_path = out_dir / f"fidelity_{name}_summary.json"
+    summary_path.write_text(json.dumps(doc, indent=2) + "\n")
+    print_table(summary)
+    _log(f"wrote {jsonl} and {summary_path} ({wall:.0f}s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        from epikv_local.default_model import DefaultModelError
+        from epikv_local.native import NativeError
+
+        try:
+            return run(args)
+        except (ValueError, NativeError, DefaultModelError, RuntimeError, OSError) as e:
+            raise BenchError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    except BenchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
