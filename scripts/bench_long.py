@@ -22,24 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import ROOT, git_rev, machine  # noqa: E402
 
 
 def rss_bytes() -> tuple[int, str]:
@@ -105,8 +93,7 @@ def main(argv=None) -> int:
         "git": git_rev(), "model": str(path), "policy": policy_name, "full_cache": args.full_cache,
         "requested_tokens": args.tokens, "every": args.every, "n_batch": args.batch,
         "threads": args.threads or os.cpu_count(), "max_seconds": max_seconds,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor(),
-                    "python": platform.python_version()},
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rss_source": rss_src, "rss_before_model_bytes": rss0,
         "rows": str(rows_path),
     }

@@ -21,53 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import ROOT, git_rev, machine, median_ratio, one_run  # noqa: E402
 
 VARIANTS = {
-    "plain": dict(policy="none", route="layer_out", verify=False),
-    "plain+probe": dict(policy="none", route="layer_out", verify=True),
-    "epikv/layer_out": dict(policy="epikv", route="layer_out", verify=True),
-    "epikv/callback": dict(policy="epikv", route="callback", verify=True),
-    "streaming": dict(policy="streaming", route="layer_out", verify=True),
+    "plain": dict(policy="none", flash_attn=True, route="layer_out", verify=False),
+    "plain+probe": dict(policy="none", flash_attn=True, route="layer_out", verify=True),
+    "epikv/layer_out": dict(policy="epikv", flash_attn=True, route="layer_out", verify=True),
+    "epikv/callback": dict(policy="epikv", flash_attn=True, route="callback", verify=True),
+    "streaming": dict(policy="streaming", flash_attn=True, route="layer_out", verify=True),
 }
-
-
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
-def one_run(model, variant: dict, prompt: list[int], n_tokens: int, budget: int, n_batch: int,
-            threads: int | None) -> dict:
-    from epikv_local.eviction import BudgetConfig
-    from epikv_local.generate import SamplingConfig, generate
-    from epikv_local.policies import make_policy
-    from epikv_local.session import Session, SessionConfig
-
-    cfg = SessionConfig(n_batch=n_batch, n_threads=threads, capture_route=variant["route"],
-                        verify_flash_attn=variant["verify"])
-    bcfg = BudgetConfig(kv_budget=budget, protect_prompt=False)
-    with Session(model, make_policy(variant["policy"]), bcfg, cfg) as s:
-        if variant["policy"] == "none":  # the slack of the context holds the generated tokens
-            s.engine.cfg = BudgetConfig(kv_budget=s.ctx.n_ctx, protect_prompt=False)
-        res = generate(s, prompt, n_tokens, SamplingConfig(), ignore_eog=True)
-        st = s.engine.stats
-        return {"tps": res.stats.decode_tokens_per_s, "n_evicted": st.n_evicted, "rounds": st.n_rounds,
-                "evict_s": st.evict_seconds, "max_live": st.max_live, "n_ctx": s.ctx.n_ctx,
-                "flash_attn": res.stats.flash_attn}
 
 
 def main(argv=None) -> int:
@@ -107,11 +75,11 @@ def main(argv=None) -> int:
     summary = {}
     for v in names:
         tps = [x["tps"] for x in runs[v]]
-        ratios = [x["tps"] / p["tps"] for x, p in zip(runs[v], runs["plain"])] if "plain" in runs else []
+        ratio, ratios = median_ratio(runs[v], runs["plain"]) if "plain" in runs else (None, [])
         rounds = sum(x["rounds"] for x in runs[v])
         summary[v] = {
             "median_tokens_per_s": statistics.median(tps),
-            "median_ratio_to_plain": statistics.median(ratios) if ratios else None,
+            "median_ratio_to_plain": ratio,
             "ratios": ratios,
             "tokens_per_s": tps,
             "evictions_per_run": runs[v][0]["n_evicted"],
@@ -125,7 +93,7 @@ def main(argv=None) -> int:
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:])),
         "git": git_rev(), "model": str(path), "kv_budget": args.kv_budget, "n_batch": args.batch,
         "prompt_tokens": len(prompt), "decoded_tokens": args.tokens, "rounds": args.rounds,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "variants": summary,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

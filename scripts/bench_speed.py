@@ -26,35 +26,18 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import ROOT, git_rev, machine, median_ratio, one_run  # noqa: E402
 
 BASELINES = {
     "plain": dict(policy="none", flash_attn=True, verify=False),
     "plain-noFA": dict(policy="none", flash_attn=False, verify=False),
 }
-
-
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor(),
-            "python": platform.python_version()}
 
 
 def variant_spec(name: str) -> dict:
@@ -64,32 +47,6 @@ def variant_spec(name: str) -> dict:
     if name in BASELINES:
         return BASELINES[name]
     return dict(policy=name, flash_attn=name not in ATTENTION_POLICIES, verify=True)
-
-
-def one_run(model, spec: dict, prompt: list[int], n_tokens: int, budget: int, n_batch: int,
-            threads: int | None) -> dict:
-    from epikv_local.eviction import BudgetConfig
-    from epikv_local.generate import SamplingConfig, generate
-    from epikv_local.policies import make_policy
-    from epikv_local.session import Session, SessionConfig
-
-    cfg = SessionConfig(n_batch=n_batch, n_threads=threads, flash_attn=spec["flash_attn"],
-                        verify_flash_attn=spec["verify"])
-    bcfg = BudgetConfig(kv_budget=budget, protect_prompt=False)
-    with Session(model, make_policy(spec["policy"]), bcfg, cfg) as s:
-        if spec["policy"] == "none":  # the slack of the context holds the generated tokens
-            s.engine.cfg = BudgetConfig(kv_budget=s.ctx.n_ctx, protect_prompt=False)
-        res = generate(s, prompt, n_tokens, SamplingConfig(), ignore_eog=True)
-        st = s.engine.stats
-        return {"tps": res.stats.decode_tokens_per_s, "n_generated": res.stats.n_generated_tokens,
-                "n_evicted": st.n_evicted, "rounds": st.n_rounds, "evict_s": st.evict_seconds,
-                "max_live": st.max_live, "n_ctx": s.ctx.n_ctx,
-                "flash_attn": bool(s.flash_attn) if spec["verify"] else None}
-
-
-def median_ratio(a: list[dict], b: list[dict]) -> tuple[float | None, list[float]]:
-    ratios = [x["tps"] / y["tps"] for x, y in zip(a, b) if y["tps"] > 0]
-    return (statistics.median(ratios) if ratios else None), ratios
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Regenerate the benchmark figures and tables from the committed results (one command).
+
+Reads ``results/`` (fidelity summaries, speed.json, overhead.json, long_*.jsonl), writes the figures to
+``docs/figures/`` and replaces the generated block of ``docs/benchmarks.md`` (between the
+``<!-- BEGIN GENERATED -->`` / ``<!-- END GENERATED -->`` markers) with the tables. Needs matplotlib.
+
+    python scripts/report.py            # figures + docs/benchmarks.md tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+FIGS = ROOT / "docs" / "figures"
+DOC = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
+
+
+def fmt_ci(m: dict, digits: int = 3, signed: bool = False) -> str:
+    f = f"{{:+.{digits}f}}" if signed else f"{{:.{digits}f}}"
+    return f"{f.format(m['mean'])} [{f.format(m['ci_low'])}, {f.format(m['ci_high'])}]"
+
+
+def fidelity_section(summary_path: Path) -> str:
+    data = json.loads(summary_path.read_text())
+    rows = data["summary"] if "summary" in data else data["results"]
+    name = summary_path.stem.replace("fidelity_", "").replace("_summary", "")
+    budgets = sorted({r["kv_budget"] for r in rows})
+    policies = sorted({r["policy"] for r in rows},
+                      key=lambda p: min(r["delta_nll"]["mean"] for r in rows if r["policy"] == p))
+    by = {(r["policy"], r["kv_budget"]): r for r in rows}
+    out = [f"### Fidelity: `{name}`", ""]
+    meta = {k: data.get(k) for k in ("command", "git", "date", "n_traces", "max_tokens", "chunk", "model")}
+    out.append(f"Command: `{meta['command']}` (git `{meta['git']}`, {meta['date']}).")
+    settings = data.get("settings", {})
+    if settings:
+        out.append("Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items() if not isinstance(v, (dict, list))) + ".")
+    out.append("")
+    for metric, title, signed in (("delta_nll", "ΔNLL vs full cache (nats/token, lower is better)", True),
+                                  ("top1_agreement", "top-1 agreement with the full cache (higher is better)", False),
+                                  ("kl", "KL(full ‖ evicted) (nats, lower is better)", False)):
+        out += [f"**{title}** — mean [95% bootstrap CI over traces]", "",
+                "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+                "|---|" + "---|" * len(budgets)]
+        for p in policies:
+            best = []
+            for b in budgets:
+                r = by.get((p, b))
+                if r is None:
+                    best.append("–")
+                    continue
+                vals = [by[(q, b)][metric]["mean"] for q in policies if (q, b) in by]
+                top = (max(vals) if metric == "top1_agreement" else min(vals))
+                cell = fmt_ci(r[metric], 3, signed)
+                best.append(f"**{cell}**" if r[metric]["mean"] == top else cell)
+            out.append(f"| {p} | " + " | ".join(best) + " |")
+        out.append("")
+    out.append(f"![fidelity {name}](figures/fidelity_{name}.png)")
+    out.append("")
+    plot_fidelity(rows, policies, budgets, FIGS / f"fidelity_{name}.png", name)
+    return "\n".join(out)
+
+
+def plot_fidelity(rows, policies, budgets, path: Path, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["policy"], r["kv_budget"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for p in policies:
+        xs = [b for b in budgets if (p, b) in by]
+        style = dict(lw=2.5) if p.startswith("epikv") else dict(lw=1.2, ls="--")
+        for ax, metric in zip(axes, ("delta_nll", "top1_agreement")):
+            ys = [by[(p, b)][metric]["mean"] for b in xs]
+            ax.plot(xs, ys, marker="o", label=p, **style)
+    for ax, title in zip(axes, ("ΔNLL vs full cache (nats/token)", "top-1 agreement with full cache")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets)
+        ax.set_xticklabels([str(b) for b in budgets])
+        ax.set_xlabel("KV budget (cells)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8, ncol=2)
+    fig.suptitle(f"Teacher-forced fidelity ({name})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def speed_section(path: Path) -> str:
+    d = json.loads(path.read_text())
+    out = [f"### Decode speed per policy: `{path.name}`", "",
+           f"Command: `{d['command']}` (git `{d['git']}`, {d['date']}); model {d.get('model_desc', d['model'])}, "
+           f"budget {d['kv_budget']}, n_ctx {d['n_ctx']}, prompt {d['prompt_tokens']} tokens, "
+           f"{d['decoded_tokens']} decoded tokens per run, {d['rounds']} alternating rounds, {d.get('threads')} threads.",
+           "", "| variant | flash attn | median tok/s | ratio to plain (FA on) | ratio to plain (FA off) | ms per eviction round |",
+           "|---|---|---|---|---|---|"]
+    for name, v in d["variants"].items():
+        ms = f"{v['mean_eviction_round_ms']:.2f}" if v.get("mean_eviction_round_ms") is not None else "–"
+        fa = "on" if v.get("flash_attn_requested") else "off"
+        out.append(f"| {name} | {fa} | {v['median_tokens_per_s']:.1f} | {v['median_ratio_to_plain']:.3f} | "
+                   f"{v['median_ratio_to_plain_noFA']:.3f} | {ms} |")
+    cmp_ = d.get("epikv_speed_vs_attention_policies", {})
+    if cmp_:
+        out += ["", "EPIKV tokens/s relative to each attention-based policy (median of per-round ratios): "
+                + ", ".join(f"{k} {v['median_speed_ratio']:.2f}×" for k, v in cmp_.items()) + "."]
+    return "\n".join(out) + "\n"
+
+
+def overhead_section(path: Path) -> str:
+    d = json.loads(path.read_text())
+    out = [f"### EPIKV overhead: `{path.name}`", "",
+           f"Command: `{d['command']}` (git `{d['git']}`, {d['date']}); budget {d['kv_budget']}, "
+           f"prompt {d['prompt_tokens']} tokens, {d['decoded_tokens']} decoded tokens per run, {d['rounds']} rounds.",
+           "", "| variant | median tok/s | median ratio to plain | evicted per run | ms per eviction round |",
+           "|---|---|---|---|---|"]
+    for name, v in d["variants"].items():
+        ms = f"{v['mean_eviction_round_ms']:.2f}" if v.get("mean_eviction_round_ms") is not None else "–"
+        ratio = f"{v['median_ratio_to_plain']:.3f}" if v.get("median_ratio_to_plain") is not None else "–"
+        out.append(f"| {name} | {v['median_tokens_per_s']:.1f} | {ratio} | {v['evictions_per_run']} | {ms} |")
+    return "\n".join(out) + "\n"
+
+
+def long_section() -> str:
+    files = sorted(RESULTS.glob("long_*.jsonl"))
+    if not files:
+        return ""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    out = ["### Long generation", "", "| run | generated tokens | last-interval tok/s | first-interval tok/s | "
+           "RSS at end (MiB) | live cells at end | KV allocated (MiB) |", "|---|---|---|---|---|---|---|"]
+    for f in files:
+        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r.get("interval_tokens_per_s")]
+        if not rows:
+            continue
+        label = f.stem.replace("long_", "")
+        xs = [r["tokens"] for r in rows]
+        axes[0].plot(xs, [r["interval_tokens_per_s"] for r in rows], label=label)
+        axes[1].plot(xs, [r["rss_bytes"] / 2**20 for r in rows], label=label)
+        last, first = rows[-1], rows[0]
+        out.append(f"| {label} | {last['tokens']} | {last['interval_tokens_per_s']:.1f} | "
+                   f"{first['interval_tokens_per_s']:.1f} | {last['rss_bytes'] / 2**20:.0f} | {last['live_cells']} | "
+                   f"{last['kv_bytes'] / 2**20:.1f} |")
+        summ = f.with_suffix(".summary.json")
+        if summ.exists():
+            s = json.loads(summ.read_text())
+            out.append(f"|  ↳ `{s.get('command', '')}` | stop: {s.get('stop_reason', '')} | | | | | |")
+    axes[0].set_title("decode tokens/s over the generation")
+    axes[1].set_title("resident memory (MiB)")
+    for ax in axes:
+        ax.set_xlabel("generated tokens")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    FIGS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(FIGS / "long_generation.png", dpi=110)
+    plt.close(fig)
+    out += ["", "![long generation](figures/long_generation.png)", ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--print", action="store_true", help="print the tables instead of updating the doc")
+    args = ap.parse_args(argv)
+    parts = []
+    if (RESULTS / "overhead.json").exists():
+        parts.append(overhead_section(RESULTS / "overhead.json"))
+    for p in sorted(RESULTS.glob("speed*.json")):
+        parts.append(speed_section(p))
+    long_md = long_section()
+    if long_md:
+        parts.append(long_md)
+    for p in sorted(RESULTS.glob("fidelity_*_summary.json")):
+        parts.append(fidelity_section(p))
+    text = "\n".join(parts)
+    if args.print:
+        print(text)
+        return 0
+    doc = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in doc or END not in doc:
+        print(f"report: error: {DOC} lacks the {BEGIN} / {END} markers", file=sys.stderr)
+        return 2
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOC.write_text(head + BEGIN + "\n" + text + "\n" + END + tail)
+    print(f"updated {DOC} and {FIGS}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
