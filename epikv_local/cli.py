@@ -1,4 +1,4 @@
-"""Command line: ``epikv-local generate|demo|fetch-model``.
+"""Command line: ``epikv-local generate|demo|fetch-model|labels|calibrate``.
 
 Every expected failure (bad path, non-GGUF file, unsupported architecture, layers beyond the model's depth,
 budget too small for the protected tokens, ...) prints one line ``epikv-local: error: ...`` and exits 2.
@@ -42,9 +42,12 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--evict-chunk", type=int, default=16)
     p.add_argument("--no-protect-prompt", action="store_true", help="allow evicting prompt tokens")
     p.add_argument("--layers", type=_layers_arg, default=None,
-                   help="EPIKV layers A[,B] of this model (default: 10,21 of 32 mapped by relative depth)")
-    p.add_argument("--window", type=int, default=128, help="rolling z-score window (tokens)")
+                   help="EPIKV-family layers A[,B] of this model (default: 10,21 of 32 mapped by relative depth)")
+    p.add_argument("--window", type=int, default=None,
+                   help="rolling z-score window (tokens; default 128, or the model's calibration)")
     p.add_argument("--capture", choices=["layer_out", "callback"], default="layer_out")
+    p.add_argument("--no-flash-attn", action="store_true",
+                   help="run with flash attention off (required by the attention policies: h2o, tova, snapkv)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -63,7 +66,65 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(sub.add_parser("generate", help="generate text under a KV budget"), demo=False)
     _add_run_args(sub.add_parser("demo", help="reasoning prompt on the default model (SmolLM2-135M)"), demo=True)
     sub.add_parser("fetch-model", help="download and cache the default model; print its path")
+    lp = sub.add_parser("labels", help="counterfactual importance labels of trace positions (JSONL)")
+    lp.add_argument("--model", help="GGUF model (default: the cached default model)")
+    lp.add_argument("--traces", required=True, help="JSONL traces with 'problem' and 'trace' fields")
+    lp.add_argument("--n-traces", type=int, default=4)
+    lp.add_argument("--max-tokens", type=int, default=768, help="tokens per trace (truncated; default 768)")
+    lp.add_argument("--horizon", type=int, default=32, help="tokens decoded after each checkpoint (default 32)")
+    lp.add_argument("--delay", type=int, default=2,
+                    help="minimum tokens between a position and its checkpoint (>= 2; default 2)")
+    lp.add_argument("--stride", type=int, default=16, help="checkpoint spacing = positions per checkpoint (16)")
+    lp.add_argument("--min-pos", type=int, default=16, help="first labelled position (default 16)")
+    lp.add_argument("--control", action="store_true", help="also re-decode the no-removal branch (control rows)")
+    lp.add_argument("--out", default="results/labels.jsonl", help="output JSONL (resumed if it exists)")
+    lp.add_argument("--threads", type=int, default=None)
+    cp = sub.add_parser("calibrate", help="choose EPIKV layers/window/recent share for a model on dev traces")
+    cp.add_argument("--model", help="GGUF model (default: the cached default model)")
+    cp.add_argument("--traces", help="dev JSONL traces (default: ../shared/data/r1_traces_dev.jsonl)")
+    cp.add_argument("--quick", action="store_true", help="tiny grid on one short trace (smoke test)")
+    cp.add_argument("--full-grid", action="store_true", help="search the Cartesian grid, not coordinate-wise")
+    cp.add_argument("--n-traces", type=int, default=None, help="dev traces for the fidelity grid (default 3)")
+    cp.add_argument("--labels", help="labels JSONL to reuse (or to write, resumable) for the anatomy ranking")
+    cp.add_argument("--out", help="write the calibration JSON here instead of the cache")
+    cp.add_argument("--threads", type=int, default=None)
     return ap
+
+
+def _run_labels(args) -> int:
+    from .default_model import default_model_path
+    from .labels import LabelSettings, run_labels
+    from .model import Model, check_gguf
+
+    model_path = check_gguf(args.model) if args.model else default_model_path()
+    s = LabelSettings(max_tokens=args.max_tokens, horizon=args.horizon, delay=args.delay, stride=args.stride,
+                      min_pos=args.min_pos)
+    with Model(model_path) as model:
+        stats = run_labels(model, model_path, args.traces, args.out, s, n_traces=args.n_traces,
+                           n_threads=args.threads, control=args.control)
+    print(json.dumps({"out": args.out, **stats}))
+    return 0
+
+
+def _run_calibrate(args) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from .calibration import QUICK_GRID, Grid, calibrate
+    from .default_model import default_model_path
+    from .model import check_gguf
+
+    model_path = check_gguf(args.model) if args.model else default_model_path()
+    traces = args.traces or str(Path(__file__).resolve().parents[1].parent / "shared" / "data" / "r1_traces_dev.jsonl")
+    grid = QUICK_GRID if args.quick else Grid()
+    if args.n_traces:
+        grid = replace(grid, n_traces=args.n_traces)
+    res = calibrate(model_path, traces, grid, full_grid=args.full_grid, n_threads=args.threads,
+                    labels_path=args.labels, out=args.out)
+    print(json.dumps({"path": res.path, "layer_a": res.layer_a, "layer_b": res.layer_b, "window": res.window,
+                      "recent_fraction": res.recent_fraction, "delta_nll": res.delta_nll,
+                      "baseline_delta_nll": res.baseline_delta_nll}))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,24 +133,38 @@ def run(args: argparse.Namespace) -> int:
     from .generate import SamplingConfig, apply_chat_template, generate, tokenize_prompt
     from .model import Model, check_gguf
     from .native import load
-    from .policies import make_policy
+    from .policies import EPIKV_POLICIES, make_policy
     from .scoring import ScoringConfig
     from .session import Session, SessionConfig
 
     if args.cmd == "fetch-model":
         print(default_model_path())
         return 0
+    if args.cmd == "labels":
+        return _run_labels(args)
+    if args.cmd == "calibrate":
+        return _run_calibrate(args)
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     model_path = default_model_path() if args.cmd == "demo" else check_gguf(args.model)
     prompt = DEMO_PROMPT if args.cmd == "demo" else args.prompt
+    recent_fraction = 0.5
+    cal = None
+    if args.policy in EPIKV_POLICIES and not args.layers and args.window is None:
+        from .calibration import load_for_model
+
+        cal = load_for_model(model_path)
+        if cal is not None:
+            print(f"epikv-local: using calibration {cal.path}", file=sys.stderr)
+            recent_fraction = cal.recent_fraction
     budget = BudgetConfig(kv_budget=args.kv_budget, n_sink=args.n_sink, n_recent=args.n_recent,
-                          protect_prompt=not args.no_protect_prompt, evict_chunk=args.evict_chunk)
+                          recent_fraction=recent_fraction, protect_prompt=not args.no_protect_prompt,
+                          evict_chunk=args.evict_chunk)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     nat = load(verbose=args.verbose)
     with Model(model_path, native=nat) as model:
         kwargs = {}
-        if args.policy == "epikv":
+        if args.policy in EPIKV_POLICIES:
             n_layer = model.info.n_layer
             if args.layers:
                 for il in args.layers:
@@ -97,12 +172,15 @@ def run(args: argparse.Namespace) -> int:
                         raise ValueError(f"--layers {il} is beyond this {n_layer}-layer model "
                                          f"(capturable: 0..{n_layer - 2})")
                 cfg = ScoringConfig(layer_a=args.layers[0], layer_b=args.layers[1] if len(args.layers) > 1 else None,
-                                    ref_depth=n_layer, window=args.window)
+                                    ref_depth=n_layer, window=args.window or 128)
+            elif cal is not None:
+                cfg = cal.scoring_config()
             else:
-                cfg = ScoringConfig(window=args.window)
+                cfg = ScoringConfig(window=args.window or 128)
             kwargs["cfg"] = cfg
         policy = make_policy(args.policy, **kwargs)
-        scfg = SessionConfig(n_batch=args.batch, n_threads=args.threads, capture_route=args.capture)
+        scfg = SessionConfig(n_batch=args.batch, n_threads=args.threads, capture_route=args.capture,
+                             flash_attn=not args.no_flash_attn)
         text = apply_chat_template(model, prompt) if args.chat else prompt
         tokens = tokenize_prompt(model, text)
         stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))

@@ -127,7 +127,8 @@ class EvictionEngine:
 
     # -- eviction -----------------------------------------------------------------------------------------
     def protected(self, positions: np.ndarray) -> np.ndarray:
-        return protected_mask(positions, n_sink=self.cfg.n_sink, n_recent=self.cfg.recent,
+        # the newest position always stays: llama.cpp requires new tokens to follow a sequence's last position
+        return protected_mask(positions, n_sink=self.cfg.n_sink, n_recent=max(1, self.cfg.recent),
                               newest_pos=self.newest,
                               prompt_end=self.prompt_end if self.cfg.protect_prompt else None)
 

@@ -36,8 +36,8 @@ def fidelity_section(summary_path: Path) -> str:
                       key=lambda p: min(r["delta_nll"]["mean"] for r in rows if r["policy"] == p))
     by = {(r["policy"], r["kv_budget"]): r for r in rows}
     out = [f"### Fidelity: `{name}`", ""]
-    meta = {k: data.get(k) for k in ("command", "git", "date", "n_traces", "max_tokens", "chunk", "model")}
-    out.append(f"Command: `{meta['command']}` (git `{meta['git']}`, {meta['date']}).")
+    git = data.get("git_revision") or data.get("git")
+    out.append(f"Command: `{data.get('command')}` (git `{git}`, {data.get('date')}, {data.get('wall_seconds', 0):.0f} s).")
     settings = data.get("settings", {})
     if settings:
         out.append("Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items() if not isinstance(v, (dict, list))) + ".")
@@ -75,9 +75,10 @@ def plot_fidelity(rows, policies, budgets, path: Path, name: str) -> None:
 
     by = {(r["policy"], r["kv_budget"]): r for r in rows}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for p in policies:
+    for i, p in enumerate(policies):
         xs = [b for b in budgets if (p, b) in by]
         style = dict(lw=2.5) if p.startswith("epikv") else dict(lw=1.2, ls="--")
+        style["color"] = plt.cm.tab20(i % 20)
         for ax, metric in zip(axes, ("delta_nll", "top1_agreement")):
             ys = [by[(p, b)][metric]["mean"] for b in xs]
             ax.plot(xs, ys, marker="o", label=p, **style)

@@ -200,3 +200,25 @@ def test_attention_readback_with_flash_attention_off(model, nat, tokens):
     seen = np.flatnonzero(last > 0)
     assert sorted(cells[seen].tolist()) == list(range(20))
     np.testing.assert_allclose(received2, last2, rtol=1e-6)
+
+
+def test_missing_l_out_tensor_is_a_clear_error():
+    """An architecture whose graph names no l_out-<il> (llama_get_layer_capture returns NULL) is refused with
+    a message naming the architecture, not a crash (the CLI prints it as one line)."""
+    from types import SimpleNamespace
+
+    from epikv_local.capture import LayerOutCapture
+    from epikv_local.native import NativeError
+
+    class NoLOut:
+        model = SimpleNamespace(info=SimpleNamespace(arch="someformer"))
+
+        def set_layer_out(self, il, enable=True):
+            pass
+
+        def layer_out(self, il, n_tokens):
+            return None
+
+    cap = LayerOutCapture(NoLOut(), (3, 7))
+    with pytest.raises(NativeError, match="someformer.*no l_out-3"):
+        cap.after_decode(4)

@@ -1,0 +1,329 @@
+"""Anatomy: which layer's residual-stream change predicts counterfactual importance?
+
+For the traces of a labels file (:mod:`epikv_local.labels`), one teacher-forced pass (flash attention on, as
+at run time) captures ``g_l`` for every capturable layer ``0 .. n_layer - 2`` and the keys of every layer;
+``z_l = rolling_zscore(g_l, window)``. Optionally a second pass with flash attention off reads the attention
+matrix back (averaged over all layers and heads, per KV cell, mapped to positions).
+
+For every labelled position ``p`` (checkpoint ``c``) the signals are (higher = keep):
+
+* ``z_l(p)`` for each layer; ``epikv`` = smooth(z_A - z_B) at the default layers (and at any pair asked for);
+* ``knorm``: -mean over layers of ||k_l(p)||;
+* ``keydiff``: -mean over 4 spaced layers of cos(k_l(p), mean unit key of positions < c);
+* ``attn_received``: attention received by p from the queries before c (H2O's accumulated score);
+* ``attn_future``: attention received from the horizon queries [c, c + W) (an oracle, not deployable);
+* ``recency``: the position p; ``random``: seeded normal noise.
+
+Statistics (numpy only): Spearman rank correlation with the label (average ranks for ties) over all
+positions, the mean of the per-checkpoint Spearman (``spearman_within``, removes between-checkpoint
+differences), and the AUROC of the signal for "label in the top decile".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .model import Context, Model
+from .scoring import ScoringConfig, causal_moving_average, diff_norms, rolling_zscore
+
+
+# -- rank statistics ------------------------------------------------------------------------------------------
+def rankdata(x) -> np.ndarray:
+    """Ranks 1..n of x (n,), ties get their average rank (like scipy.stats.rankdata 'average')."""
+    x = np.asarray(x, dtype=np.float64)
+    n = len(x)
+    order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    ranks = np.empty(n, dtype=np.float64)
+    # group ties: boundaries where the sorted value changes
+    bounds = np.flatnonzero(np.diff(xs) != 0) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [n]])
+    for s, e in zip(starts, ends):
+        ranks[order[s:e]] = (s + e + 1) / 2.0  # mean of ranks s+1 .. e
+    return ranks
+
+
+def spearman(x, y) -> float:
+    """Spearman rank correlation of x and y (n,): Pearson correlation of the average ranks; NaN when either is
+    constant or n < 2. NaN entries of x or y are dropped pairwise."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    ok = ~(np.isnan(x) | np.isnan(y))
+    x, y = x[ok], y[ok]
+    if len(x) < 2:
+        return float("nan")
+    rx, ry = rankdata(x), rankdata(y)
+    rx -= rx.mean()
+    ry -= ry.mean()
+    den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
+    return float((rx * ry).sum() / den) if den > 0 else float("nan")
+
+
+def auroc(scores, positive) -> float:
+    """Area under the ROC curve of ``scores`` for the boolean ``positive`` (Mann-Whitney U / (n1 n0), ties
+    counted 1/2). NaN when there are no positives or no negatives."""
+    s = np.asarray(scores, dtype=np.float64)
+    pos = np.asarray(positive, dtype=bool)
+    ok = ~np.isnan(s)
+    s, pos = s[ok], pos[ok]
+    n1 = int(pos.sum())
+    n0 = len(pos) - n1
+    if n1 == 0 or n0 == 0:
+        return float("nan")
+    r = rankdata(s)
+    return float((r[pos].sum() - n1 * (n1 + 1) / 2.0) / (n1 * n0))
+
+
+def top_fraction(labels, frac: float = 0.1) -> np.ndarray:
+    """Boolean mask of the labels at or above the (1 - frac) quantile (the top decile by default)."""
+    y = np.asarray(labels, dtype=np.float64)
+    return y >= np.quantile(y, 1.0 - frac)
+
+
+def within_groups_spearman(x, y, groups) -> float:
+    """Mean over groups (e.g. checkpoints) of the Spearman correlation inside each group (NaN groups skipped)."""
+    x, y, groups = np.asarray(x, float), np.asarray(y, float), np.asarray(groups)
+    vals = [spearman(x[groups == gv], y[groups == gv]) for gv in np.unique(groups)]
+    vals = [v for v in vals if not np.isnan(v)]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def signal_stats(signal, labels, groups) -> dict:
+    labels = np.asarray(labels, float)
+    return {"spearman": spearman(signal, labels), "spearman_within": within_groups_spearman(signal, labels, groups),
+            "auroc_top10": auroc(signal, top_fraction(labels))}
+
+
+# -- capture -------------------------------------------------------------------------------------------------
+def capture_pass(model: Model, tokens: list[int], chunk: int = 64, n_threads: int | None = None,
+                 keys: bool = True) -> dict:
+    """Flash-attention-on pass over ``tokens`` capturing g of layers 0..n_layer-2 (T, n_layer-1) and per-layer
+    key norms (T, n_layer) plus unit keys of 4 spaced layers (T, 4, d_k)."""
+    from .policies._keys import spaced_layers
+
+    n_layer = model.info.n_layer
+    layers = list(range(n_layer - 1))
+    kl = spaced_layers(n_layer, 4)
+    T = len(tokens)
+    g = np.empty((T, len(layers)))
+    knorm = np.empty((T, n_layer)) if keys else None
+    kunit = None
+    prev = [None] * len(layers)
+    with Context(model, n_ctx=T + chunk, n_batch=chunk, n_threads=n_threads) as ctx:
+        for il in layers:
+            ctx.set_layer_out(il, True)
+        if keys:
+            for il in range(n_layer):
+                ctx.set_layer_capture(il, True, kind=1)
+        for i in range(0, T, chunk):
+            part = tokens[i:i + chunk]
+            n = len(part)
+            ctx.decode(part, np.arange(i, i + n), logits_last=True)
+            for j, il in enumerate(layers):
+                rows = ctx.layer_out(il, n)
+                if rows is None:
+                    raise RuntimeError(f"no l_out-{il} tensor in this architecture's graph")
+                g[i:i + n, j] = diff_norms(rows, prev[j])
+                prev[j] = rows[-1].copy()
+            if keys:
+                for il in range(n_layer):
+                    k = ctx.layer_keys(il, n)
+                    if k is None:
+                        raise RuntimeError(f"no Kcur-{il} tensor in this architecture's graph")
+                    knorm[i:i + n, il] = np.linalg.norm(k.astype(np.float64), axis=1)
+                    if il in kl:
+                        if kunit is None:
+                            kunit = np.empty((T, len(kl), k.shape[1]), dtype=np.float32)
+                        kk = k.astype(np.float64)
+                        kunit[i:i + n, kl.index(il)] = kk / (np.linalg.norm(kk, axis=1, keepdims=True) + 1e-12)
+    return {"g": g, "layers": layers, "knorm": knorm, "kunit": kunit}
+
+
+def attention_pass(model: Model, tokens: list[int], chunk: int, n_threads: int | None = None) -> np.ndarray:
+    """Flash-attention-off pass; returns A (n_chunks, T) float32: attention received by each position from the
+    queries of each chunk of ``chunk`` tokens (mean over all layers and heads; each query contributes 1)."""
+    from .capture import MODE_ATTN, CallbackHandle
+
+    n_layer = model.info.n_layer
+    T = len(tokens)
+    n_ctx = T + chunk
+    n_chunks = (T + chunk - 1) // chunk
+    A = np.zeros((n_chunks, T), dtype=np.float32)
+    with CallbackHandle(model.nat, tuple(range(n_layer)), model.info.n_embd, chunk, 0) as h:
+        h.enable_attention(n_ctx + 256)
+        h.set_mode(MODE_ATTN)
+        with Context(model, n_ctx=n_ctx, n_batch=chunk, flash_attn=False, n_threads=n_threads,
+                     cb_eval=h.cb_eval, cb_eval_user_data=h.user_data) as ctx:
+            for k, i in enumerate(range(0, T, chunk)):
+                part = tokens[i:i + chunk]
+                ctx.decode(part, np.arange(i, i + len(part)), logits_last=True)
+                recv, _, _ = h.take_attention()
+                cp = ctx.cell_positions()
+                n = min(len(cp), len(recv))
+                ok = cp[:n] >= 0
+                A[k, cp[:n][ok]] = recv[:n][ok]
+    return A
+
+
+# -- signals at the labelled positions --------------------------------------------------------------------------
+def trace_signals(cap: dict, labels: dict[int, dict], window: int, n_layer: int, attn: np.ndarray | None,
+                  attn_chunk: int, horizon: int, pairs: dict[str, tuple[int, int | None]],
+                  smooth: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
+    """Per labelled position (sorted) of one trace: label, checkpoint, z of every layer, baseline signals."""
+    pos = np.array(sorted(labels), dtype=np.int64)
+    ck = np.array([labels[p]["checkpoint"] for p in pos], dtype=np.int64)
+    out: dict[str, np.ndarray] = {"position": pos, "checkpoint": ck,
+                                  "label": np.array([labels[p]["label"] for p in pos], dtype=np.float64)}
+    z = np.stack([rolling_zscore(cap["g"][:, j], window) for j in range(cap["g"].shape[1])], axis=1)
+    out["z"] = z[pos]
+    for name, (a, b) in pairs.items():
+        d = z[:, a] - (z[:, b] if b is not None else 0.0)
+        out[name] = causal_moving_average(d, smooth)[pos]
+    if cap.get("knorm") is not None:
+        out["knorm"] = -cap["knorm"].mean(axis=1)[pos]
+        ku = cap["kunit"].astype(np.float64)  # (T, L, d)
+        csum = np.cumsum(ku, axis=0)
+        mean = csum[ck - 1] / ck[:, None, None]  # mean unit key of positions < c
+        mean /= np.linalg.norm(mean, axis=-1, keepdims=True) + 1e-12
+        out["keydiff"] = -np.einsum("nld,nld->nl", ku[pos], mean).mean(axis=1)
+    if attn is not None:
+        ca = np.cumsum(attn.astype(np.float64), axis=0)  # ca[k] = received from chunks 0..k
+        kc = ck // attn_chunk  # chunks strictly before c (c is a multiple of attn_chunk)
+        past = np.where(kc > 0, ca[np.maximum(kc - 1, 0), pos], 0.0)
+        kend = np.minimum((ck + horizon + attn_chunk - 1) // attn_chunk, attn.shape[0]) - 1
+        out["attn_received"] = past
+        out["attn_future"] = ca[kend, pos] - past
+    out["recency"] = pos.astype(np.float64)
+    out["random"] = np.random.default_rng(seed + int(pos.sum()) % 1000).normal(size=len(pos))
+    return out
+
+
+def analyse(per_trace: list[dict[str, np.ndarray]], n_layer: int) -> dict:
+    """Pool the traces and compute the statistics of every signal."""
+    keys = per_trace[0].keys()
+    pooled = {k: np.concatenate([t[k] for t in per_trace]) for k in keys}
+    # checkpoints are per trace: make the group ids unique across traces
+    groups = np.concatenate([t["checkpoint"] + 1_000_000 * i for i, t in enumerate(per_trace)])
+    y = pooled["label"]
+    layers = []
+    for j in range(pooled["z"].shape[1]):
+        st = signal_stats(pooled["z"][:, j], y, groups)
+        layers.append({"layer": j, "rel_depth": j / n_layer, **st})
+    signals = {k: signal_stats(pooled[k], y, groups) for k in keys
+               if k not in ("position", "checkpoint", "label", "z")}
+    return {"n_positions": int(len(y)), "label_mean": float(y.mean()), "label_std": float(y.std()),
+            "label_top10_threshold": float(np.quantile(y, 0.9)), "layers": layers, "signals": signals}
+
+
+def rank_layers(layers: list[dict], key: str = "spearman", k: int = 3) -> tuple[list[int], list[int]]:
+    """(top-k layers by the statistic, bottom-k layers), skipping NaN."""
+    ok = [l for l in layers if not np.isnan(l[key])]
+    s = sorted(ok, key=lambda l: l[key], reverse=True)
+    return [l["layer"] for l in s[:k]], [l["layer"] for l in s[::-1][:k]]
+
+
+def run_anatomy(model: Model, traces: list[tuple[str, list[int]]], labels: dict[str, dict[int, dict]],
+                window: int = 128, horizon: int = 32, attn_chunk: int = 16, attention: bool = True,
+                keys: bool = True, n_threads: int | None = None, cfg: ScoringConfig | None = None,
+                progress: Callable[[str], None] | None = None) -> dict:
+    """Capture, build signals and analyse; returns the JSON-able result (without the figure)."""
+    n_layer = model.info.n_layer
+    cfg = cfg or ScoringConfig(window=window)
+    dl = cfg.layers_for_depth(n_layer)
+    pairs = {"epikv_default": (dl[0], dl[1] if len(dl) > 1 else None)}
+    per_trace, zfull, t_cap, t_att = [], [], 0.0, 0.0
+    for tid, toks in traces:
+        if tid not in labels:
+            continue
+        t0 = time.perf_counter()
+        cap = capture_pass(model, toks, n_threads=n_threads, keys=keys)
+        t_cap += time.perf_counter() - t0
+        attn = None
+        if attention:
+            t0 = time.perf_counter()
+            attn = attention_pass(model, toks, attn_chunk, n_threads=n_threads)
+            t_att += time.perf_counter() - t0
+        per_trace.append(trace_signals(cap, labels[tid], window, n_layer, attn, attn_chunk, horizon, pairs,
+                                       smooth=cfg.smooth))
+        zfull.append(np.stack([rolling_zscore(cap["g"][:, j], window) for j in range(cap["g"].shape[1])], axis=1))
+        if progress:
+            progress(f"{tid}: {len(labels[tid])} positions")
+    if not per_trace:
+        raise ValueError("no labelled trace matches the traces given")
+    res = analyse(per_trace, n_layer)
+    pos_l, neg_l = rank_layers(res["layers"])
+    # the EPIKV score at the best anatomy pair (chosen on these same labels: an optimistic number)
+    if pos_l and neg_l and pos_l[0] != neg_l[0]:
+        a, b = pos_l[0], neg_l[0]
+        sig, ys, grp = [], [], []
+        for i, (t, zf) in enumerate(zip(per_trace, zfull)):
+            sig.append(causal_moving_average(zf[:, a] - zf[:, b], cfg.smooth)[t["position"]])
+            ys.append(t["label"])
+            grp.append(t["checkpoint"] + 1_000_000 * i)
+        res["signals"]["epikv_best_pair"] = signal_stats(np.concatenate(sig), np.concatenate(ys),
+                                                          np.concatenate(grp))
+        res["best_pair"] = [a, b]
+    res.update({"n_layer": n_layer, "window": window, "default_layers": list(dl), "top_positive": pos_l,
+                "top_negative": neg_l, "capture_seconds": round(t_cap, 2), "attention_seconds": round(t_att, 2),
+                "attention": attention, "attention_chunk": attn_chunk,
+                "traces": [t for t, _ in traces if t in labels]})
+    return res
+
+
+def plot(res: dict, path: str | Path, title: str) -> None:
+    """Correlation vs relative depth, default layers A/B marked, baselines as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_layer = res["n_layer"]
+    x = [l["layer"] / n_layer for l in res["layers"]]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(x, [l["spearman"] for l in res["layers"]], "o-", label="z_l: Spearman (pooled)")
+    ax.plot(x, [l["spearman_within"] for l in res["layers"]], "s--", ms=3, label="z_l: Spearman within checkpoint")
+    ax.axhline(0, color="k", lw=0.6)
+    a, *rest = res["default_layers"]
+    ax.axvline(a / n_layer, color="tab:green", ls=":", label=f"default A (layer {a})")
+    if rest:
+        ax.axvline(rest[0] / n_layer, color="tab:red", ls=":", label=f"default B (layer {rest[0]})")
+    colors = {"knorm": "tab:purple", "keydiff": "tab:brown", "attn_received": "tab:orange",
+              "recency": "tab:gray", "epikv_default": "tab:olive"}
+    for k, c in colors.items():
+        if k in res["signals"]:
+            ax.axhline(res["signals"][k]["spearman"], color=c, lw=1, alpha=0.7,
+                       label=f"{k}: {res['signals'][k]['spearman']:+.3f}")
+    ax.set_xlabel("relative depth (layer / n_layer)")
+    ax.set_ylabel("Spearman(signal, counterfactual label)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def to_json(res: dict) -> str:
+    def conv(o):
+        if isinstance(o, (np.floating,)):
+            return float(o)
+        if isinstance(o, (np.integer,)):
+            return int(o)
+        raise TypeError(type(o))
+
+    def clean(o):
+        if isinstance(o, float) and np.isnan(o):
+            return None
+        if isinstance(o, dict):
+            return {k: clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        return o
+
+    return json.dumps(clean(res), indent=2, default=conv)

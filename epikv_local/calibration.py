@@ -1,0 +1,319 @@
+"""Per-model calibration of EPIKV: layers A/B (or single band), rolling window and recent share.
+
+Procedure (dev traces only; see docs/calibration.md, section "Calibration"):
+
+1. counterfactual labels on the dev traces (:mod:`epikv_local.labels`) and the layer anatomy
+   (:mod:`epikv_local.anatomy`, g of every layer, no keys or attention) rank the layers by the Spearman
+   correlation of ``z_l`` with the label: the top-3 are band-A candidates, the bottom-3 band-B candidates;
+2. a pruned grid, searched coordinate-wise, minimising the mean teacher-forced fidelity ΔNLL over the dev
+   traces x budgets (128, 256): (a) layers: the default pair, the 3 x 3 A x B pairs and the 3 single-band A
+   (window 128, recent share 0.5); (b) window {64, 128, 256} at the best layers; (c) recent share
+   {0.25, 0.5, 0.75} at the best layers and window. ``full_grid=True`` searches the Cartesian product instead.
+
+The result is written as JSON to ``<cache>/calibration/<sha256 of the model file>.json`` (cache dir:
+``$EPIKV_CACHE_DIR`` or ``~/.cache/epikv-local``) and read back by :func:`load_for_model`. Layers are stored as
+this model's own indices (``ref_depth = n_layer``), so only those two layers are captured at run time.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import itertools
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .default_model import cache_dir
+from .eviction import BudgetConfig
+from .scoring import ScoringConfig
+
+CALIBRATION_VERSION = 1
+DEFAULT_RECENT_FRACTION = 0.5
+
+
+# -- model identity -----------------------------------------------------------------------------------------
+def calibration_dir() -> Path:
+    return cache_dir() / "calibration"
+
+
+def model_sha256(path: str | os.PathLike) -> str:
+    """sha256 of the whole model file, cached by (path, size, mtime) in ``<cache>/model_hashes.json``."""
+    p = Path(path).expanduser().resolve()
+    st = p.stat()
+    key = f"{p}|{st.st_size}|{st.st_mtime_ns}"
+    store = cache_dir() / "model_hashes.json"
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    known[key] = digest
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(store)
+    except OSError:
+        pass
+    return digest
+
+
+def calibration_path(model_path: str | os.PathLike) -> Path:
+    return calibration_dir() / f"{model_sha256(model_path)}.json"
+
+
+# -- result ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CalibrationResult:
+    """Chosen EPIKV settings for one model file. Layers are this model's indices (0 .. n_layer - 2)."""
+
+    model_sha256: str
+    arch: str
+    n_layer: int
+    layer_a: int
+    layer_b: int | None
+    window: int
+    recent_fraction: float
+    delta_nll: float            # mean dev ΔNLL of the chosen settings (over traces x budgets)
+    baseline_delta_nll: float   # same for the default settings
+    path: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def scoring_config(self, **overrides) -> ScoringConfig:
+        kw = dict(layer_a=self.layer_a, layer_b=self.layer_b, ref_depth=self.n_layer, window=self.window)
+        kw.update(overrides)
+        return ScoringConfig(**kw)
+
+    def budget_config(self, kv_budget: int, **kw) -> BudgetConfig:
+        return BudgetConfig(kv_budget=kv_budget, recent_fraction=self.recent_fraction, **kw)
+
+
+def load_file(path: str | os.PathLike) -> CalibrationResult:
+    d = json.loads(Path(path).read_text())
+    ch = d["chosen"]
+    return CalibrationResult(model_sha256=d["model_sha256"], arch=d["arch"], n_layer=int(d["n_layer"]),
+                             layer_a=int(ch["layer_a"]), layer_b=None if ch["layer_b"] is None else int(ch["layer_b"]),
+                             window=int(ch["window"]), recent_fraction=float(ch["recent_fraction"]),
+                             delta_nll=float(d["chosen_delta_nll"]), baseline_delta_nll=float(d["baseline_delta_nll"]),
+                             path=str(path), extra={k: d.get(k) for k in ("created", "cost_seconds", "traces")})
+
+
+def load_for_model(model_path: str | os.PathLike) -> CalibrationResult | None:
+    """The calibration of this model file (matched by content hash), or None when there is none."""
+    p = calibration_path(model_path)
+    if not p.is_file():
+        return None
+    return load_file(p)
+
+
+def scoring_config_for(model_path: str | os.PathLike, **overrides) -> ScoringConfig:
+    """ScoringConfig from the model's calibration if present, else the documented defaults."""
+    cal = load_for_model(model_path)
+    return cal.scoring_config(**overrides) if cal else ScoringConfig(**overrides)
+
+
+def recent_fraction_for(model_path: str | os.PathLike) -> float:
+    cal = load_for_model(model_path)
+    return cal.recent_fraction if cal else DEFAULT_RECENT_FRACTION
+
+
+# -- fidelity of one configuration ------------------------------------------------------------------------------
+def policy_delta_nll(model, tokens: list[int], ref, cfg: ScoringConfig, budget: BudgetConfig, chunk: int,
+                     n_threads: int | None = None) -> float:
+    """Mean ΔNLL (positions t >= kv_budget) of an EPIKV pass with ``cfg`` against the reference ``ref``."""
+    from .fidelity import StreamingComparison, log_softmax
+    from .policies.epikv import EpikvPolicy
+    from .session import Session, SessionConfig
+
+    start = budget.kv_budget
+    cmp = StreamingComparison(ref.logp, ref.eval_start, tokens)
+    n_in = len(tokens) - 1
+    n_vocab = model.info.n_vocab
+    scfg = SessionConfig(n_batch=chunk, n_threads=n_threads, flash_attn=ref.flash_attn, verify_flash_attn=False)
+    buf = np.empty((chunk, n_vocab), dtype=np.float32)
+    with Session(model, EpikvPolicy(cfg), budget, scfg) as session:
+        for i in range(0, n_in, chunk):
+            part = tokens[i:min(i + chunk, n_in)]
+            k = len(part)
+            want = i + k > start
+            session.decode_chunk(part, logits_all=want, logits_last=True)
+            if not want:
+                continue
+            j0 = max(0, start - i)
+            for j in range(j0, k):
+                buf[j - j0] = session.ctx.logits(j)
+            cmp(np.arange(i + j0, i + k, dtype=np.int64), log_softmax(buf[:k - j0]))
+    return cmp.means()["delta_nll"]
+
+
+@dataclass(frozen=True)
+class Grid:
+    budgets: tuple[int, ...] = (128, 256)
+    windows: tuple[int, ...] = (64, 128, 256)
+    recent: tuple[float, ...] = (0.25, 0.5, 0.75)
+    n_pos: int = 3
+    n_neg: int = 3
+    n_traces: int = 3
+    max_tokens: int = 768
+    chunk: int = 16
+    n_sink: int = 4
+    label_traces: int = 3
+    label_horizon: int = 32
+    label_stride: int = 16
+
+
+QUICK_GRID = Grid(budgets=(64,), windows=(64,), recent=(0.5,), n_pos=2, n_neg=1, n_traces=1, max_tokens=160,
+                  chunk=16, label_traces=1, label_horizon=8, label_stride=8)
+
+
+def _key(cfg: ScoringConfig, rf: float) -> tuple:
+    return (cfg.layer_a, cfg.layer_b, cfg.window, rf)
+
+
+def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, grid: Grid = Grid(),
+              full_grid: bool = False, n_threads: int | None = None, labels_path: str | os.PathLike | None = None,
+              out: str | os.PathLike | None = None,
+              log: Callable[[str], None] | None = None) -> CalibrationResult:
+    """Run the calibration on ``traces_path`` (dev traces!) and write the JSON. Returns the result."""
+    from .anatomy import capture_pass, rank_layers, signal_stats
+    from .fidelity import load_traces, reference_pass
+    from .labels import LabelSettings, label_trace, labels_by_trace, read_labels, run_labels
+    from .model import Model
+    from .scoring import rolling_zscore
+
+    log = log or (lambda m: print(f"calibrate: {m}", file=sys.stderr, flush=True))
+    t_start = time.perf_counter()
+    model_path = Path(model_path)
+    sha = model_sha256(model_path)
+    with Model(model_path) as model:
+        n_layer = model.info.n_layer
+        arch = model.info.arch
+        # 1. labels + anatomy ranking
+        t0 = time.perf_counter()
+        s = LabelSettings(max_tokens=grid.max_tokens, horizon=grid.label_horizon, stride=grid.label_stride)
+        if labels_path is not None and Path(labels_path).is_file():
+            header, rows = read_labels(labels_path)
+            lab = labels_by_trace(rows)
+            lab_traces = load_traces(header["traces"], model, header["max_tokens"], n_traces=header["n_traces"],
+                                     min_tokens=header["max_tokens"], interleave_sources=True)
+            log(f"labels read from {labels_path}")
+        else:
+            lab_traces = load_traces(traces_path, model, s.max_tokens, n_traces=grid.label_traces,
+                                     min_tokens=s.max_tokens, interleave_sources=True)
+            if not lab_traces:
+                raise ValueError(f"no trace in {traces_path} has {s.max_tokens} tokens")
+            if labels_path is not None:
+                run_labels(model, model_path, traces_path, labels_path, s, n_traces=grid.label_traces,
+                           n_threads=n_threads, log=log)
+                lab = labels_by_trace(read_labels(labels_path)[1])
+            else:
+                rows = []
+                for tid, toks in lab_traces:
+                    rows += label_trace(model, tid, toks, s, n_threads=n_threads)[0]
+                lab = labels_by_trace(rows)
+        zs, ys, grp = [], [], []
+        for i, (tid, toks) in enumerate(lab_traces):
+            if tid not in lab:
+                continue
+            cap = capture_pass(model, toks, n_threads=n_threads, keys=False)
+            pos = np.array(sorted(lab[tid]))
+            z = np.stack([rolling_zscore(cap["g"][:, j], 128) for j in range(n_layer - 1)], axis=1)
+            zs.append(z[pos])
+            ys.append(np.array([lab[tid][p]["label"] for p in pos]))
+            grp.append(np.array([lab[tid][p]["checkpoint"] for p in pos]) + 1_000_000 * i)
+        Z, Y, G = np.concatenate(zs), np.concatenate(ys), np.concatenate(grp)
+        layer_stats = [{"layer": j, **signal_stats(Z[:, j], Y, G)} for j in range(n_layer - 1)]
+        pos_l, neg_l = rank_layers(layer_stats, "spearman", max(grid.n_pos, grid.n_neg))
+        pos_l, neg_l = pos_l[:grid.n_pos], neg_l[:grid.n_neg]
+        t_labels = time.perf_counter() - t0
+        log(f"anatomy on {len(Y)} labelled positions ({t_labels:.0f}s): band-A candidates {pos_l}, "
+            f"band-B candidates {neg_l}")
+
+        # 2. fidelity grid
+        traces = load_traces(traces_path, model, grid.max_tokens, n_traces=grid.n_traces,
+                             min_tokens=grid.max_tokens, interleave_sources=True)
+        if not traces:
+            raise ValueError(f"no trace in {traces_path} has {grid.max_tokens} tokens")
+        budgets = [b for b in grid.budgets if b < grid.max_tokens - 1]
+        t0 = time.perf_counter()
+        refs = [reference_pass(model, toks, grid.chunk, True, eval_start=min(budgets), n_threads=n_threads)
+                for _, toks in traces]
+        results: dict[tuple, dict] = {}
+
+        def evaluate(cfg: ScoringConfig, rf: float) -> float:
+            k = _key(cfg, rf)
+            if k in results:
+                return results[k]["delta_nll"]
+            vals = {}
+            for (tid, toks), ref in zip(traces, refs):
+                for b in budgets:
+                    bc = BudgetConfig(kv_budget=b, n_sink=grid.n_sink, recent_fraction=rf, protect_prompt=False)
+                    vals[f"{tid}@{b}"] = policy_delta_nll(model, toks, ref, cfg, bc, grid.chunk, n_threads)
+            per_budget = {b: float(np.mean([v for kk, v in vals.items() if kk.endswith(f"@{b}")]))
+                          for b in budgets}
+            m = float(np.mean(list(vals.values())))
+            results[k] = {"layer_a": cfg.layer_a, "layer_b": cfg.layer_b, "window": cfg.window,
+                          "recent_fraction": rf, "delta_nll": m, "per_budget": per_budget}
+            log(f"layers {cfg.layer_a},{cfg.layer_b} window {cfg.window} recent {rf}: ΔNLL {m:+.4f} "
+                f"({', '.join(f'{b}: {v:+.4f}' for b, v in per_budget.items())})")
+            return m
+
+        default = ScoringConfig()
+        dl = default.layers_for_depth(n_layer)
+        base_cfg = ScoringConfig(layer_a=dl[0], layer_b=dl[1], ref_depth=n_layer, window=default.window)
+        baseline = evaluate(base_cfg, DEFAULT_RECENT_FRACTION)
+        layer_cands = [(dl[0], dl[1])] + [(a, b) for a in pos_l for b in neg_l if a != b] + [(a, None) for a in pos_l]
+        layer_cands = list(dict.fromkeys(layer_cands))
+        if full_grid:
+            for (a, b), w, rf in itertools.product(layer_cands, grid.windows, grid.recent):
+                evaluate(ScoringConfig(layer_a=a, layer_b=b, ref_depth=n_layer, window=w), rf)
+        else:
+            w0 = 128 if 128 in grid.windows else grid.windows[0]
+            for a, b in layer_cands:
+                evaluate(ScoringConfig(layer_a=a, layer_b=b, ref_depth=n_layer, window=w0), DEFAULT_RECENT_FRACTION)
+            best = min(results.values(), key=lambda r: r["delta_nll"])
+            for w in grid.windows:
+                evaluate(ScoringConfig(layer_a=best["layer_a"], layer_b=best["layer_b"], ref_depth=n_layer,
+                                       window=w), best["recent_fraction"])
+            best = min(results.values(), key=lambda r: r["delta_nll"])
+            for rf in grid.recent:
+                evaluate(ScoringConfig(layer_a=best["layer_a"], layer_b=best["layer_b"], ref_depth=n_layer,
+                                       window=best["window"]), rf)
+        best = min(results.values(), key=lambda r: r["delta_nll"])
+        t_grid = time.perf_counter() - t0
+    cost = time.perf_counter() - t_start
+    doc = {
+        "version": CALIBRATION_VERSION, "model_sha256": sha, "model_file": model_path.name, "arch": arch,
+        "n_layer": n_layer, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "traces": str(traces_path), "trace_ids": [t for t, _ in traces],
+        "chosen": {k: best[k] for k in ("layer_a", "layer_b", "window", "recent_fraction")},
+        "chosen_delta_nll": best["delta_nll"], "baseline": results[_key(base_cfg, DEFAULT_RECENT_FRACTION)],
+        "baseline_delta_nll": baseline,
+        "anatomy": {"candidates_a": pos_l, "candidates_b": neg_l, "n_positions": int(len(Y)),
+                    "label_settings": asdict(s), "layers": layer_stats},
+        "grid": {"search": "full" if full_grid else "coordinate", **asdict(grid)},
+        "grid_results": list(results.values()),
+        "cost_seconds": {"labels_and_anatomy": round(t_labels, 1), "grid": round(t_grid, 1), "total": round(cost, 1),
+                         "n_configs": len(results), "n_passes": len(results) * len(traces) * len(budgets)},
+    }
+    path = Path(out) if out else calibration_dir() / f"{sha}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
+    tmp.replace(path)
+    log(f"chosen layers {best['layer_a']},{best['layer_b']} window {best['window']} recent {best['recent_fraction']}: "
+        f"dev ΔNLL {best['delta_nll']:+.4f} vs default {baseline:+.4f}; {cost:.0f}s; wrote {path}")
+    return load_file(path)

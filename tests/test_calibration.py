@@ -1,0 +1,85 @@
+"""Calibration: the --quick path writes a file that load_for_model reads and the CLI announces."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+from epikv_local.calibration import CalibrationResult, load_file
+from epikv_local.scoring import ScoringConfig
+
+CLI = [sys.executable, "-m", "epikv_local.cli"]
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "r1_traces_dev.jsonl"
+
+
+def test_result_configs():
+    r = CalibrationResult(model_sha256="x", arch="llama", n_layer=30, layer_a=5, layer_b=17, window=64,
+                          recent_fraction=0.25, delta_nll=0.1, baseline_delta_nll=0.2)
+    cfg = r.scoring_config()
+    assert cfg.layers_for_depth(30) == (5, 17) and cfg.window == 64
+    assert r.budget_config(128).recent == 32
+    single = CalibrationResult(model_sha256="x", arch="llama", n_layer=30, layer_a=28, layer_b=None, window=128,
+                               recent_fraction=0.5, delta_nll=0.1, baseline_delta_nll=0.2)
+    assert single.scoring_config().layers_for_depth(30) == (28,)
+
+
+def test_load_for_model_without_calibration(tmp_path, monkeypatch):
+    from epikv_local import calibration
+
+    monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 100)
+    assert calibration.load_for_model(f) is None
+    assert calibration.scoring_config_for(f) == ScoringConfig()
+    assert calibration.recent_fraction_for(f) == 0.5
+    # the content hash is cached and is the sha256 of the file
+    import hashlib
+
+    assert calibration.model_sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert (tmp_path / "model_hashes.json").is_file()
+
+
+def test_calibrate_quick_roundtrip(model_path, tmp_path):
+    env = {**os.environ, "EPIKV_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run(CLI + ["calibrate", "--model", str(model_path), "--traces", str(TRACES), "--quick",
+                              "--threads", "2"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    files = list((tmp_path / "calibration").glob("*.json"))
+    assert len(files) == 1 and str(files[0]) == out["path"]
+    doc = json.loads(files[0].read_text())
+    assert doc["n_layer"] == 30 and doc["arch"] == "llama"
+    assert doc["grid_results"] and doc["baseline_delta_nll"] == doc["baseline"]["delta_nll"]
+    assert doc["chosen_delta_nll"] <= doc["baseline_delta_nll"]  # the default is one of the grid points
+    cal = load_file(files[0])
+    assert 0 <= cal.layer_a <= 28 and (cal.layer_b is None or 0 <= cal.layer_b <= 28)
+
+    # load_for_model finds it by content hash, in this cache directory
+    code = ("import sys, json; from epikv_local.calibration import load_for_model; "
+            "c = load_for_model(sys.argv[1]); print(json.dumps([c.path, c.layer_a, c.layer_b, c.window]))")
+    r2 = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True, text=True, env=env,
+                        timeout=120)
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout) == [str(files[0]), cal.layer_a, cal.layer_b, cal.window]
+
+    # the CLI uses it for an epikv-family policy without --layers/--window, and says so on stderr
+    gen = ["generate", "--model", str(model_path), "--prompt", "Count from one to ten:", "--max-tokens", "40",
+           "--kv-budget", "48", "--ignore-eos", "--json", "--threads", "2"]
+    r3 = subprocess.run(CLI + gen, capture_output=True, text=True, env=env, timeout=300)
+    assert r3.returncode == 0, r3.stderr
+    assert f"epikv-local: using calibration {files[0]}" in r3.stderr.splitlines()
+    stats = json.loads(r3.stdout.strip().splitlines()[-1])
+    want = [cal.layer_a] + ([] if cal.layer_b is None else [cal.layer_b])
+    assert list(stats["layers"]) == want  # only the chosen layers are captured
+    # explicit --layers: no calibration
+    r4 = subprocess.run(CLI + gen + ["--layers", "9,20"], capture_output=True, text=True, env=env, timeout=300)
+    assert r4.returncode == 0, r4.stderr
+    assert "using calibration" not in r4.stderr
+    # a non-EPIKV policy: no calibration
+    r5 = subprocess.run(CLI + gen + ["--policy", "streaming"], capture_output=True, text=True, env=env, timeout=300)
+    assert r5.returncode == 0, r5.stderr
+    assert "using calibration" not in r5.stderr
