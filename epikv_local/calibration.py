@@ -134,28 +134,12 @@ def recent_fraction_for(model_path: str | os.PathLike) -> float:
 def policy_delta_nll(model, tokens: list[int], ref, cfg: ScoringConfig, budget: BudgetConfig, chunk: int,
                      n_threads: int | None = None) -> float:
     """Mean ΔNLL (positions t >= kv_budget) of an EPIKV pass with ``cfg`` against the reference ``ref``."""
-    from .fidelity import StreamingComparison, log_softmax
+    from .fidelity import StreamingComparison, teacher_forced_pass
     from .policies.epikv import EpikvPolicy
-    from .session import Session, SessionConfig
 
-    start = budget.kv_budget
     cmp = StreamingComparison(ref.logp, ref.eval_start, tokens)
-    n_in = len(tokens) - 1
-    n_vocab = model.info.n_vocab
-    scfg = SessionConfig(n_batch=chunk, n_threads=n_threads, flash_attn=ref.flash_attn, verify_flash_attn=False)
-    buf = np.empty((chunk, n_vocab), dtype=np.float32)
-    with Session(model, EpikvPolicy(cfg), budget, scfg) as session:
-        for i in range(0, n_in, chunk):
-            part = tokens[i:min(i + chunk, n_in)]
-            k = len(part)
-            want = i + k > start
-            session.decode_chunk(part, logits_all=want, logits_last=True)
-            if not want:
-                continue
-            j0 = max(0, start - i)
-            for j in range(j0, k):
-                buf[j - j0] = session.ctx.logits(j)
-            cmp(np.arange(i + j0, i + k, dtype=np.int64), log_softmax(buf[:k - j0]))
+    teacher_forced_pass(model, tokens, EpikvPolicy(cfg), budget, chunk, ref.flash_attn, n_threads=n_threads,
+                        eval_start=budget.kv_budget, on_chunk=cmp)
     return cmp.means()["delta_nll"]
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from .eviction import BudgetConfig
 from .model import Model
-from .policies import REGISTRY, make_policy
+from .policies import REGISTRY, Policy, make_policy
 from .session import Session, SessionConfig
 
 METRICS = ("nll", "nll_ref", "delta_nll", "top1_agreement", "kl")
@@ -191,7 +191,7 @@ def policy_needs_attention(name: str) -> bool:
     return bool(getattr(make_policy(name), "needs_attention", False))
 
 
-def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str, budget_cfg: BudgetConfig, chunk: int,
+def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str | Policy, budget_cfg: BudgetConfig, chunk: int,
                         flash_attn: bool, n_threads: int | None = None, eval_start: int | None = None,
                         on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None) -> PassResult:
     """Feed ``tokens[:-1]`` in chunks of ``chunk`` through a budgeted session and read the log-probs.
@@ -208,7 +208,8 @@ def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str, budge
     start = budget_cfg.kv_budget if eval_start is None else eval_start
     n_in = len(tokens) - 1
     n_eval = max(0, n_in - start)
-    policy = make_policy(policy_name)
+    policy = make_policy(policy_name) if isinstance(policy_name, str) else policy_name
+    policy_name = policy.name
     cfg = SessionConfig(n_batch=chunk, n_threads=n_threads, flash_attn=flash_attn, verify_flash_attn=True)
     n_vocab = model.info.n_vocab
     out = None if on_chunk is not None else np.empty((n_eval, n_vocab), dtype=np.float32)
