@@ -111,11 +111,18 @@ def load_file(path: str | os.PathLike) -> CalibrationResult:
                              path=str(path), extra={k: d.get(k) for k in ("created", "cost_seconds", "traces")})
 
 
+#: calibrations shipped with the package (the default model's, measured on the dev traces; see docs/calibration.md)
+PACKAGED_DIR = Path(__file__).resolve().parent / "calibrations"
+
+
 def load_for_model(model_path: str | os.PathLike) -> CalibrationResult | None:
-    """The calibration of this model file (matched by content hash), or None when there is none."""
+    """The calibration of this model file (matched by content hash): the user's own (cache) first, then one
+    shipped with the package; None when there is none."""
     p = calibration_path(model_path)
     if not p.is_file():
-        return None
+        p = PACKAGED_DIR / p.name
+        if not p.is_file():
+            return None
     return load_file(p)
 
 

@@ -155,7 +155,6 @@ def run(args: argparse.Namespace) -> int:
 
         cal = load_for_model(model_path)
         if cal is not None:
-            print(f"epikv-local: using calibration {cal.path}", file=sys.stderr)
             recent_fraction = cal.recent_fraction
     budget = BudgetConfig(kv_budget=args.kv_budget, n_sink=args.n_sink, n_recent=args.n_recent,
                           recent_fraction=recent_fraction, protect_prompt=not args.no_protect_prompt,
@@ -185,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
         tokens = tokenize_prompt(model, text)
         stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
         with Session(model, policy, budget, scfg) as session:
+            session.engine.check_prompt(len(tokens))
+            if cal is not None:  # said once the settings are known to work, so an error stays one line
+                print(f"epikv-local: using calibration {cal.path}", file=sys.stderr)
             result = generate(session, tokens, args.max_tokens, sampling, tuple(args.stop), on_text=stream,
                               ignore_eog=args.ignore_eos)
     stats = result.stats.as_dict()

@@ -83,3 +83,14 @@ def test_calibrate_quick_roundtrip(model_path, tmp_path):
     r5 = subprocess.run(CLI + gen + ["--policy", "streaming"], capture_output=True, text=True, env=env, timeout=300)
     assert r5.returncode == 0, r5.stderr
     assert "using calibration" not in r5.stderr
+
+
+def test_default_model_ships_its_calibration(model_path, tmp_path, monkeypatch):
+    """The default model's measured calibration is packaged and found by content hash with an empty cache."""
+    from epikv_local import calibration
+
+    monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
+    cal = calibration.load_for_model(model_path)
+    assert cal is not None and Path(cal.path).parent == calibration.PACKAGED_DIR
+    assert (cal.layer_a, cal.layer_b, cal.window, cal.recent_fraction) == (19, None, 128, 0.75)
+    assert cal.scoring_config().layers_for_depth(30) == (19,)
