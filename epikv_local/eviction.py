@@ -28,7 +28,8 @@ class BudgetConfig:
 
     kv_budget: maximum live KV cells of the sequence.
     n_sink: the first n_sink positions are never evicted.
-    n_recent: the n_recent newest positions are never evicted; None = round(recent_fraction * kv_budget).
+    n_recent: the n_recent newest positions are never evicted; None = round(recent_fraction * kv_budget), which
+        shrinks to what a protected prompt leaves (an explicit n_recent that does not fit is an error).
     recent_fraction: default share of the budget kept for recent tokens (0.5: the reference measurement in
         docs/calibration.md found EPIKV worse than trivial baselines with a small recent window).
     protect_prompt: never evict prompt tokens (the prompt must then fit the budget with the recent window).
@@ -94,6 +95,7 @@ class EvictionEngine:
         self.n_live = 0
         self.newest = -1
         self.prompt_end: int | None = None
+        self.recent = cfg.recent  # protected recent window in effect (see check_prompt)
         self.stats = EngineStats()
 
     # -- bookkeeping --------------------------------------------------------------------------------------
@@ -119,7 +121,14 @@ class EvictionEngine:
                 raise BudgetError(f"prompt of {n_prompt} tokens exceeds kv_budget {self.cfg.kv_budget} "
                                   "with policy 'none' (no eviction)")
             return
-        if self.cfg.protect_prompt and n_prompt + self.cfg.recent + 1 > self.cfg.kv_budget:
+        if not self.cfg.protect_prompt:
+            return
+        room = self.cfg.kv_budget - self.cfg.n_sink - n_prompt - 1  # cells left for the recent window
+        if self.cfg.n_recent is None and room >= 1:
+            # a recent window derived from recent_fraction yields to the protected prompt
+            self.recent = min(self.cfg.recent, room)
+            return
+        if n_prompt + self.cfg.recent + 1 > self.cfg.kv_budget or room < 1:
             raise BudgetError(
                 f"prompt of {n_prompt} tokens plus the recent window of {self.cfg.recent} does not fit "
                 f"kv_budget {self.cfg.kv_budget} while the prompt is protected; raise the budget or stop "
@@ -128,7 +137,7 @@ class EvictionEngine:
     # -- eviction -----------------------------------------------------------------------------------------
     def protected(self, positions: np.ndarray) -> np.ndarray:
         # the newest position always stays: llama.cpp requires new tokens to follow a sequence's last position
-        return protected_mask(positions, n_sink=self.cfg.n_sink, n_recent=max(1, self.cfg.recent),
+        return protected_mask(positions, n_sink=self.cfg.n_sink, n_recent=max(1, self.recent),
                               newest_pos=self.newest,
                               prompt_end=self.prompt_end if self.cfg.protect_prompt else None)
 

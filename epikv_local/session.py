@@ -146,7 +146,7 @@ class Session:
         """Tokens per decode during prefill: n_batch, but small enough to leave the protected cells room."""
         if not self.policy.evicts:
             return self.cfg.n_batch
-        room = self.budget.kv_budget - self.budget.n_sink - self.budget.recent
+        room = self.budget.kv_budget - self.budget.n_sink - self.engine.recent
         return max(1, min(self.cfg.n_batch, room))
 
     def feed(self, tokens: list[int], logits: str = "last", is_prompt: bool = False) -> None:

@@ -90,3 +90,18 @@ def test_protected_prompt_too_long_is_a_clear_error(model, dev_traces):
 def test_policy_none_reports_full_budget(model, prompt_tokens):
     with pytest.raises(BudgetError, match="does not evict"):
         run(model, "none", BudgetConfig(kv_budget=96), prompt_tokens, 200)
+
+
+def test_default_recent_window_yields_to_a_protected_prompt(model, prompt_tokens):
+    """With recent_fraction (no explicit n_recent) the recent window shrinks to what the protected prompt
+    leaves; an explicit n_recent that does not fit stays an error."""
+    n_prompt = len(prompt_tokens)
+    B = n_prompt + 40
+    budget = BudgetConfig(kv_budget=B, recent_fraction=0.75)
+    assert n_prompt + budget.recent + 1 > B  # would not fit as such
+    res, stats = run(model, "epikv", budget, prompt_tokens, 120, record=True)
+    assert stats.max_live <= B and stats.n_evicted > 0
+    for ev in stats.events:
+        assert not (ev.evicted < n_prompt).any()
+    with pytest.raises(BudgetError, match="does not fit kv_budget"):
+        run(model, "epikv", BudgetConfig(kv_budget=B, n_recent=60), prompt_tokens, 20)
