@@ -10,6 +10,7 @@ removed from llama.cpp in one call (``llama_memory_seq_rm_pos``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,8 +144,6 @@ class EvictionEngine:
 
     def evict(self, n: int, reason: str = "budget") -> int:
         """Evict up to n positions (lowest scores, unprotected). Returns how many were evicted."""
-        import time
-
         t0 = time.perf_counter()
         pos = self.live_positions()
         scores = self.policy.score(pos)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._attn import per_position
-from .base import Observation, Policy, PositionScores
+from .base import Observation, Policy
 
 
 class TOVAPolicy(Policy):
@@ -21,18 +21,23 @@ class TOVAPolicy(Policy):
     needs_attention = True
 
     def __init__(self):
-        self._scores = PositionScores()
+        self.reset()
 
     def reset(self) -> None:
-        self._scores.reset()
+        # only the newest query's row matters: keep it (sorted by position) instead of a per-position history
+        self._pos = np.empty(0, dtype=np.int64)
+        self._vals = np.empty(0, dtype=np.float64)
 
     def observe(self, obs: Observation) -> None:
         pos, vals = per_position(obs, "attn_last", "TOVAPolicy")
-        self._scores.reset()
-        if len(pos):
-            self._scores.set(pos, vals)
+        order = np.argsort(pos)
+        self._pos, self._vals = pos[order], vals[order]
 
     def score(self, positions: np.ndarray) -> np.ndarray:
-        s = np.array(self._scores.get(positions), dtype=np.float64)
-        s[np.isnan(s)] = np.inf
+        positions = np.asarray(positions, dtype=np.int64)
+        s = np.full(len(positions), np.inf)  # positions the newest query has not seen yet: keep
+        if len(self._pos):
+            idx = np.minimum(np.searchsorted(self._pos, positions), len(self._pos) - 1)
+            hit = self._pos[idx] == positions
+            s[hit] = self._vals[idx[hit]]
         return s
