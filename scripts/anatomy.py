@@ -99,4 +99,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from benchlib import run_cli
+
+    sys.exit(run_cli(main, "anatomy"))

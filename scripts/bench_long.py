@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, git_rev, machine  # noqa: E402
+from benchlib import ROOT, git_rev, machine, run_cli  # noqa: E402
 
 
 def rss_bytes() -> tuple[int, str]:
@@ -203,4 +203,4 @@ def _peak_rss() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main, "bench_long"))

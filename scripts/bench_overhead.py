@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, git_rev, machine, median_ratio, one_run  # noqa: E402
+from benchlib import ROOT, git_rev, machine, median_ratio, one_run, run_cli  # noqa: E402
 
 VARIANTS = {
     "plain": dict(policy="none", flash_attn=True, route="layer_out", verify=False),
@@ -108,4 +108,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main, "bench_overhead"))

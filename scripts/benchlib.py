@@ -61,3 +61,15 @@ def median_ratio(a: list[dict], b: list[dict]) -> tuple[float | None, list[float
     """Median of the per-round ratios a/b of tokens/s (rounds paired in order)."""
     ratios = [x["tps"] / y["tps"] for x, y in zip(a, b) if y["tps"] > 0]
     return (statistics.median(ratios) if ratios else None), ratios
+
+
+def run_cli(main, prog: str, argv=None) -> int:
+    """Run a script's main(argv); expected failures become one ``<prog>: error: ...`` line and exit status 2."""
+    from epikv_local.native import NativeError
+
+    try:
+        return main(argv)
+    except (ValueError, OSError, NativeError, RuntimeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+        return 2

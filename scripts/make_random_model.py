@@ -165,6 +165,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="quantizer threads (default: all)")
     ap.add_argument("--no-check", action="store_true", help="skip the load-and-decode check")
     args = ap.parse_args(argv)
+    for k in ("layers", "embd", "n_head", "n_head_kv", "n_ff"):
+        if getattr(args, k) < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+    if args.embd % args.n_head or args.n_head % args.n_head_kv:
+        raise ValueError(f"--embd ({args.embd}) must divide by --n-head ({args.n_head}) and --n-head by "
+                         f"--n-head-kv ({args.n_head_kv})")
     if args.embd % args.n_head or args.n_head % args.n_head_kv:
         ap.error("n_embd must be a multiple of n_head, and n_head of n_head_kv")
     if args.embd % 32 or args.n_ff % 32:
@@ -200,4 +206,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from benchlib import run_cli
+
+    sys.exit(run_cli(main, "make_random_model"))
