@@ -57,9 +57,12 @@ void epikv_diff_norms(const float * rows, int32_t n_rows, int32_t n_embd, float 
 }
 
 epikv_capture * epikv_capture_new(const int32_t * layers, int32_t n_layers, int32_t n_embd, int32_t max_tokens) {
-    if (!layers || n_layers <= 0 || n_embd <= 0 || max_tokens <= 0) {
+    if ((!layers && n_layers > 0) || n_layers < 0 || n_embd <= 0 || max_tokens <= 0) {
         return NULL;
     }
+    // a handle with no layers only probes the graph (and reads attention of no layer); allocate at least one
+    // slot so that every buffer is a valid pointer
+    const int32_t n_slots = n_layers > 0 ? n_layers : 1;
     epikv_capture * cap = calloc(1, sizeof(*cap));
     if (!cap) {
         return NULL;
@@ -68,11 +71,11 @@ epikv_capture * epikv_capture_new(const int32_t * layers, int32_t n_layers, int3
     cap->n_embd     = n_embd;
     cap->max_tokens = max_tokens;
     cap->mode       = EPIKV_MODE_CAPTURE;
-    cap->layers     = malloc(sizeof(int32_t) * n_layers);
-    cap->prev       = calloc((size_t) n_layers * n_embd, sizeof(float));
-    cap->has_prev   = calloc(n_layers, sizeof(int32_t));
-    cap->g          = calloc((size_t) max_tokens * n_layers, sizeof(float));
-    cap->n_pending  = calloc(n_layers, sizeof(int32_t));
+    cap->layers     = malloc(sizeof(int32_t) * n_slots);
+    cap->prev       = calloc((size_t) n_slots * n_embd, sizeof(float));
+    cap->has_prev   = calloc(n_slots, sizeof(int32_t));
+    cap->g          = calloc((size_t) max_tokens * n_slots, sizeof(float));
+    cap->n_pending  = calloc(n_slots, sizeof(int32_t));
     cap->scratch    = malloc((size_t) max_tokens * n_embd * sizeof(float));
     cap->probe      = calloc(EPIKV_PROBE_BYTES, 1);
     if (!cap->layers || !cap->prev || !cap->has_prev || !cap->g || !cap->n_pending || !cap->scratch || !cap->probe) {
@@ -278,6 +281,9 @@ bool epikv_capture_cb_eval(struct ggml_tensor * t, bool ask, void * user_data) {
 }
 
 int32_t epikv_capture_take(epikv_capture * cap, float * g_out, int32_t max_rows) {
+    if (cap->n_layers == 0) {
+        return 0;
+    }
     const int32_t n = cap->n_pending[0];
     int32_t status = n;
     for (int32_t i = 1; i < cap->n_layers; ++i) {

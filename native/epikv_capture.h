@@ -3,7 +3,7 @@
 // This is the "plain" capture route: it works on an unpatched llama.cpp graph, by asking the scheduler for
 // the tensors named "l_out-<il>". The scheduler splits the graph at every tensor that the callback asks for
 // (one synchronisation per captured layer on a GPU), which is why the patched route
-// (llama_set_layer_out / llama_get_layer_out) is preferred. Both routes are measured in
+// (llama_set_layer_capture / llama_get_layer_capture, patches/0001) is preferred. Both routes are measured in
 // scripts/bench_overhead.py.
 //
 // Ownership: epikv_capture_new returns a handle owned by the caller and released with epikv_capture_free.
@@ -29,8 +29,8 @@ struct ggml_tensor;
 typedef struct epikv_capture epikv_capture;
 
 // Create a capture of the layers layers[0..n_layers) (each in [0, n_layer - 1) of the model), for hidden
-// states of n_embd floats, for batches of at most max_tokens tokens.
-// Returns NULL on invalid arguments or when out of memory.
+// states of n_embd floats, for batches of at most max_tokens tokens. n_layers may be 0 (layers may then be
+// NULL): such a handle only probes the graph. Returns NULL on invalid arguments or when out of memory.
 epikv_capture * epikv_capture_new(const int32_t * layers, int32_t n_layers, int32_t n_embd, int32_t max_tokens);
 
 void epikv_capture_free(epikv_capture * cap);

@@ -4,7 +4,7 @@
 Reads (or first computes) a labels file (``epikv-local labels``), captures g of every capturable layer, keys
 and (optionally) the attention matrix on the same traces, and writes ``<out>/anatomy_<model>.json`` and the
 figure ``<figures>/anatomy_<model>.png`` (Spearman vs relative depth, default layers A/B marked).
-See ``epikv_local/anatomy.py`` for the definitions.
+See ``epikv_local/eval/anatomy.py`` for the definitions.
 
 Examples:
   .venv/bin/python scripts/anatomy.py --labels results/labels_smollm2_dev.jsonl --threads 2
@@ -21,6 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from epikv_local.errors import DataError, run_main  # noqa: E402
 
 
 def _log(msg: str) -> None:
@@ -51,11 +53,13 @@ def main(argv=None) -> int:
     ap.add_argument("--name", help="tag in the output names (default: from the model file)")
     args = ap.parse_args(argv)
 
-    from epikv_local.anatomy import plot, run_anatomy, to_json
-    from epikv_local.default_model import default_model_path
-    from epikv_local.fidelity import load_traces
-    from epikv_local.labels import LabelSettings, labels_by_trace, read_labels, run_labels
-    from epikv_local.model import Model, check_gguf
+    from epikv_local.api.models import default_model_path
+    from epikv_local.engine.handles import Model, check_gguf
+    from epikv_local.eval.anatomy import run_anatomy
+    from epikv_local.eval.io import to_json, write_atomic
+    from epikv_local.eval.labels import LabelSettings, labels_by_trace, read_labels, run_labels
+    from epikv_local.eval.plots import plot_anatomy
+    from epikv_local.eval.traces import load_traces
 
     model_path = check_gguf(args.model) if args.model else default_model_path()
     tag = args.name or model_tag(model_path)
@@ -72,8 +76,7 @@ def main(argv=None) -> int:
                        log=_log)
         header, rows = read_labels(lab_path)
         if header is None:
-            print(f"anatomy: error: {lab_path} has no header row", file=sys.stderr)
-            return 2
+            raise DataError(f"{lab_path} has no header row")
         labels = labels_by_trace(rows)
         traces = load_traces(header["traces"], model, header["max_tokens"], n_traces=header["n_traces"],
                              min_tokens=header["max_tokens"], interleave_sources=True)
@@ -84,10 +87,10 @@ def main(argv=None) -> int:
     res.update({"model": model_path.name, "labels_file": str(lab_path),
                 "label_settings": {k: header[k] for k in ("max_tokens", "horizon", "delay", "stride", "min_pos")}})
     jpath = out / f"anatomy_{tag}.json"
-    jpath.write_text(to_json(res) + "\n")
+    write_atomic(jpath, to_json(res) + "\n")
     fig = Path(args.figures) / f"anatomy_{tag}.png"
-    plot(res, fig, f"{model_path.name}: z_l vs counterfactual label ({res['n_positions']} positions, "
-                   f"window {args.window}, horizon {header['horizon']})")
+    plot_anatomy(res, fig, f"{model_path.name}: z_l vs counterfactual label ({res['n_positions']} positions, "
+                           f"window {args.window}, horizon {header['horizon']})")
     d = res["default_layers"]
     print(f"default layers {d}: " + ", ".join(
         f"z_{l}: rho={res['layers'][l]['spearman']:+.3f} auroc={res['layers'][l]['auroc_top10']:.3f}" for l in d))
@@ -99,7 +102,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from benchlib import run_cli
-
-    sys.exit(run_cli(main, "anatomy"))
+    sys.exit(run_main("anatomy", main))

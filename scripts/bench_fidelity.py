@@ -3,12 +3,12 @@
 
 For every trace x policy x budget it runs a teacher-forced pass with the KV budget enforced and compares each
 position t >= budget with a full-cache pass (ΔNLL of the true next token, top-1 agreement, KL(full || evicted)).
-See ``epikv_local/fidelity.py`` for the definitions.
+See ``epikv_local/eval/fidelity.py`` for the definitions.
 
 Writes ``<out>/fidelity_<name>.jsonl`` (one row per trace x policy x budget) and
 ``<out>/fidelity_<name>_summary.json`` (per policy x budget: means with bootstrap 95% CIs over traces, plus
-provenance), and prints a table. Progress goes to stderr. Bad input: one line ``bench_fidelity: error: ...``,
-exit 2.
+provenance), and prints a table. Progress goes to stderr. Bad input (any ``EpikvError``): one line
+``bench_fidelity: error: ...``, exit 2 (``epikv_local.errors.run_main``).
 
 Examples:
   .venv/bin/python scripts/bench_fidelity.py --quick
@@ -32,7 +32,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # the source tree (the installed copy may predate epikv_local.fidelity)
+    sys.path.insert(0, str(REPO))  # the source tree (the installed copy may predate epikv_local.eval)
+
+from epikv_local.errors import ConfigError, DataError, run_main  # noqa: E402
 
 PROG = "bench_fidelity"
 DEFAULT_TRACES = REPO.parent / "shared" / "data" / "r1_traces_dev.jsonl"
@@ -41,13 +43,9 @@ QUICK_BUDGETS = [128]
 QUICK_POLICIES = ["streaming", "epikv"]
 
 
-class BenchError(Exception):
-    """Bad input: reported as one line, exit 2."""
-
-
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse prints usage + message by default)
-        raise BenchError(message)
+    def error(self, message):  # one line, exit 2 through run_main (argparse prints usage + message by default)
+        raise ConfigError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,13 +85,13 @@ def _log(msg: str) -> None:
 def _int_list(text: str, what: str) -> list[int]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
-        raise BenchError(f"{what} list is empty")
+        raise ConfigError(f"{what} list is empty")
     try:
         vals = [int(t) for t in items]
     except ValueError:
-        raise BenchError(f"{what} must be comma-separated integers, got {text!r}") from None
+        raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from None
     if any(v < 1 for v in vals):
-        raise BenchError(f"{what} must be >= 1, got {text!r}")
+        raise ConfigError(f"{what} must be >= 1, got {text!r}")
     return sorted(set(vals))
 
 
@@ -140,10 +138,23 @@ def print_table(summary: list[dict], file=sys.stdout) -> None:
                       for p in policies) + ")", file=file)
 
 
+CALIBRATED = "epikv_calibrated"
+
+
+def calibrated_spec(cal):
+    """``epikv_calibrated``: EPIKV with ``cal``'s layers and window, as an unregistered named configuration
+    (the fidelity passes take a PolicySpec as well as a registered name). Its recent share is not a policy
+    setting: ``run`` passes ``cal.recent_fraction`` to its own ``evaluate_trace`` call."""
+    from epikv_local.policies import EpikvPolicy, PolicySpec
+
+    return PolicySpec(CALIBRATED, EpikvPolicy, cal.policy_options(), "EPIKV with this model's calibration")
+
+
 def run(args) -> int:
-    from epikv_local.default_model import default_model_path
-    from epikv_local.fidelity import evaluate_trace, load_traces, summarize
-    from epikv_local.model import Model, check_gguf
+    from epikv_local.api.models import default_model_path
+    from epikv_local.engine.handles import Model, check_gguf
+    from epikv_local.eval.fidelity import evaluate_trace, summarize
+    from epikv_local.eval.traces import load_traces
     from epikv_local.policies import REGISTRY
 
     if args.quick:
@@ -160,39 +171,37 @@ def run(args) -> int:
             policies = list(dict.fromkeys(t.strip() for t in args.policies.split(",") if t.strip()))
     cal = None
     if args.calibration:
-        from epikv_local.calibration import load_file, load_for_model
-        from epikv_local.policies.epikv import EpikvPolicy
+        from epikv_local.api.calibration import load_file, load_for_model
 
         if args.calibration == "auto":
             cal = load_for_model(Path(args.model).expanduser() if args.model else default_model_path())
             if cal is None:
-                raise BenchError("--calibration auto: this model has no calibration (run epikv-local calibrate)")
+                raise DataError("--calibration auto: this model has no calibration (run epikv-local calibrate)")
         else:
             if not Path(args.calibration).is_file():
-                raise BenchError(f"calibration file not found: {args.calibration}")
+                raise DataError(f"calibration file not found: {args.calibration}")
             cal = load_file(args.calibration)
-        REGISTRY["epikv_calibrated"] = lambda _c=cal: EpikvPolicy(_c.scoring_config(), name="epikv_calibrated")
-        policies = [p for p in policies if p != "epikv_calibrated"]
+        policies = [p for p in policies if p != CALIBRATED]
         _log(f"epikv_calibrated: layers {cal.layer_a},{cal.layer_b} window {cal.window} recent share "
              f"{cal.recent_fraction} ({cal.path})")
     if not policies and cal is None:
-        raise BenchError("policy list is empty")
+        raise ConfigError("policy list is empty")
     for p in policies:
         if p not in REGISTRY:
-            raise BenchError(f"unknown policy {p!r}; choose from {', '.join(sorted(REGISTRY))}")
+            raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(REGISTRY))}")
         if p == "none":
-            raise BenchError("policy 'none' is the full-cache reference; it cannot run under a budget")
+            raise ConfigError("policy 'none' is the full-cache reference; it cannot run under a budget")
     if n_traces < 1:
-        raise BenchError(f"--n-traces must be >= 1, got {n_traces}")
+        raise ConfigError(f"--n-traces must be >= 1, got {n_traces}")
     if max_tokens < 2:
-        raise BenchError(f"--max-tokens must be >= 2, got {max_tokens}")
+        raise ConfigError(f"--max-tokens must be >= 2, got {max_tokens}")
     if args.chunk < 1:
-        raise BenchError(f"--chunk must be >= 1, got {args.chunk}")
+        raise ConfigError(f"--chunk must be >= 1, got {args.chunk}")
     if not 0.0 <= args.recent_fraction < 1.0:
-        raise BenchError(f"--recent-fraction must be in [0, 1), got {args.recent_fraction}")
+        raise ConfigError(f"--recent-fraction must be in [0, 1), got {args.recent_fraction}")
     kept = [b for b in budgets if b < max_tokens - 1]
     if not kept:
-        raise BenchError(f"no budget below --max-tokens {max_tokens}: nothing to evaluate")
+        raise ConfigError(f"no budget below --max-tokens {max_tokens}: nothing to evaluate")
     for b in budgets:
         if b not in kept:
             _log(f"skipping budget {b}: not below the {max_tokens}-token trace length, nothing would be evaluated")
@@ -202,7 +211,7 @@ def run(args) -> int:
     check_gguf(model_path)
     source = Path(args.text_file) if args.text_file else Path(args.traces)
     if not source.is_file():
-        raise BenchError(f"{'text' if args.text_file else 'trace'} file not found: {source}")
+        raise DataError(f"{'text' if args.text_file else 'trace'} file not found: {source}")
     name = args.name or ("quick" if args.quick else source.stem)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -213,7 +222,7 @@ def run(args) -> int:
             text = source.read_text(encoding="utf-8", errors="replace")
             toks = model.tokenize(text)[:max_tokens]
             if len(toks) < min(budgets) + 2:
-                raise BenchError(f"{source} has {len(toks)} tokens, too few for the smallest budget {min(budgets)}")
+                raise DataError(f"{source} has {len(toks)} tokens, too few for the smallest budget {min(budgets)}")
             traces = [(source.name, toks)]
             for b in budgets:
                 if b >= len(toks) - 1:
@@ -222,7 +231,7 @@ def run(args) -> int:
             traces = load_traces(source, model, max_tokens, n_traces=n_traces,
                                  min_tokens=max_tokens, interleave_sources=not args.file_order)
             if not traces:
-                raise BenchError(f"no trace in {source} has {max_tokens} tokens")
+                raise DataError(f"no trace in {source} has {max_tokens} tokens")
             if len(traces) < n_traces:
                 _log(f"only {len(traces)} traces of {source} have {max_tokens} tokens (asked for {n_traces})")
         _log(f"model {model_path.name}; {len(traces)} trace(s) x {len(policies)} policies x budgets "
@@ -237,7 +246,7 @@ def run(args) -> int:
                                             flash_attn=not args.no_flash_attn, n_threads=args.threads,
                                             progress=lambda m: _log("  " + m))
                 if cal is not None:  # its own recent share, so its own evaluate_trace call
-                    trace_rows += evaluate_trace(model, toks, ["epikv_calibrated"], budgets, chunk=args.chunk,
+                    trace_rows += evaluate_trace(model, toks, [calibrated_spec(cal)], budgets, chunk=args.chunk,
                                                  n_sink=args.n_sink, recent_fraction=cal.recent_fraction,
                                                  flash_attn=not args.no_flash_attn, n_threads=args.threads,
                                                  progress=lambda m: _log("  " + m))
@@ -276,21 +285,12 @@ def run(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        from epikv_local.default_model import DefaultModelError
-        from epikv_local.native import NativeError
+def _main(argv: list[str] | None) -> int:
+    return run(build_parser().parse_args(argv))
 
-        try:
-            return run(args)
-        except (ValueError, NativeError, DefaultModelError, RuntimeError, OSError) as e:
-            raise BenchError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    except BenchError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(PROG, _main, argv)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
 Generates ``--tokens`` greedy tokens (``ignore_eog``) with ``stream_generate`` from a short prompt (text from
 the shared R1 traces) and samples every ``--every`` tokens: tokens/s over the last interval (wall clock of
 the loop, and decode time alone), resident memory of the process (VmRSS from /proc/self/status on Linux,
-``resource.getrusage`` max RSS elsewhere), live KV cells, KV bytes allocated (``session.ctx.kv_bytes``) and
-the eviction counters.
+``resource.getrusage`` max RSS elsewhere), live KV cells, KV bytes allocated and the eviction
+counters (all from ``Session.stats()``).
 
 * ``--policy epikv`` (default; any registered policy): the context holds ``--kv-budget`` cells + one batch.
 * ``--full-cache``: policy none with kv_budget = prompt + tokens (the context is sized to hold everything;
@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, git_rev, machine, run_cli  # noqa: E402
+from benchlib import ROOT, git_rev, machine  # noqa: E402
+
+from epikv_local.errors import EpikvError, run_main  # noqa: E402
 
 
 def rss_bytes() -> tuple[int, str]:
@@ -65,12 +67,14 @@ def main(argv=None) -> int:
     if args.tokens < 1 or args.every < 1:
         ap.error("--tokens and --every must be >= 1")
 
-    from epikv_local.default_model import default_model_path
-    from epikv_local.eviction import BudgetConfig
-    from epikv_local.generate import GenerationStats, SamplingConfig, stream_generate
-    from epikv_local.model import Model, check_gguf
-    from epikv_local.policies import ATTENTION_POLICIES, REGISTRY, make_policy
-    from epikv_local.session import Session, SessionConfig
+    from epikv_local.api.generation import GenerationStats, stream_generate
+    from epikv_local.api.models import default_model_path
+    from epikv_local.api.sampling import SamplingConfig
+    from epikv_local.engine.budget import BudgetConfig
+    from epikv_local.engine.handles import Model, check_gguf
+    from epikv_local.engine.session import Session, SessionConfig
+    from epikv_local.eval.traces import default_dev_traces
+    from epikv_local.policies import REGISTRY, make_policy
 
     policy_name = "none" if args.full_cache else args.policy
     if policy_name not in REGISTRY:
@@ -85,7 +89,7 @@ def main(argv=None) -> int:
     max_seconds = args.max_seconds if args.full_cache and args.max_seconds > 0 else None
 
     path = check_gguf(args.model) if args.model else default_model_path()
-    traces = ROOT.parent / "shared" / "data" / "r1_traces_dev.jsonl"
+    traces = default_dev_traces()  # ../shared/data/r1_traces_dev.jsonl; DataError when absent
     rss0, rss_src = rss_bytes()
     summary: dict = {
         "benchmark": "long generation: tokens/s and memory sampled along the run",
@@ -108,19 +112,19 @@ def main(argv=None) -> int:
         summary.update(kv_budget=budget, prompt_tokens=len(prompt), model_desc=model.info.desc,
                        rss_after_model_bytes=rss_bytes()[0])
         cfg = SessionConfig(n_batch=args.batch, n_threads=args.threads,
-                            flash_attn=policy_name not in ATTENTION_POLICIES)
+                            flash_attn=not REGISTRY[policy_name].cls.needs_attention)
         bcfg = BudgetConfig(kv_budget=budget, protect_prompt=False)
         session = None
         try:
             session = Session(model, make_policy(policy_name), bcfg, cfg)
-        except Exception as e:  # allocation of a huge full-cache context fails here
+        except (MemoryError, EpikvError) as e:  # allocation of a huge full-cache context fails here
             stop_reason = f"context allocation failed: {type(e).__name__}: {e}"
         if session is not None:
             with session:
                 stats = GenerationStats(policy=policy_name, kv_budget=budget, n_prompt_tokens=len(prompt))
 
                 def sample(elapsed: float, d_tokens: int, d_wall: float, d_decode: float, final: bool = False):
-                    st = session.engine.stats
+                    st = session.stats()
                     rss, _ = rss_bytes()
                     row = {
                         "tokens": n, "elapsed_s": round(elapsed, 3),
@@ -128,8 +132,8 @@ def main(argv=None) -> int:
                         "interval_tokens_per_s": round(d_tokens / d_wall, 3) if d_tokens and d_wall > 0 else None,
                         "interval_decode_tokens_per_s": (round(d_tokens / d_decode, 3)
                                                          if d_tokens and d_decode > 0 else None),
-                        "rss_bytes": rss, "live_cells": session.engine.n_live, "kv_bytes": session.ctx.kv_bytes,
-                        "n_ctx": session.ctx.n_ctx, "n_evicted": st.n_evicted, "eviction_rounds": st.n_rounds,
+                        "rss_bytes": rss, "live_cells": st.n_live, "kv_bytes": st.kv_bytes,
+                        "n_ctx": st.n_ctx, "n_evicted": st.n_evicted, "eviction_rounds": st.n_rounds,
                         "evict_seconds": round(st.evict_seconds, 4), "final": final,
                     }
                     rows_f.write(json.dumps(row) + "\n")
@@ -160,7 +164,7 @@ def main(argv=None) -> int:
                         if max_seconds is not None and now - t_loop > max_seconds:
                             stop_reason = "max_seconds"
                             break
-                except (MemoryError, RuntimeError, ValueError) as e:  # KVFullError/NativeError/BudgetError
+                except (MemoryError, EpikvError) as e:  # KVFullError/NativeError/BudgetError
                     stop_reason = f"failed: {type(e).__name__}: {e}"
                 finally:
                     gen.close()
@@ -168,15 +172,15 @@ def main(argv=None) -> int:
                 if t_loop is not None and n != n_last:
                     last_row = sample(now - t_start, n - n_last, now - t_last, stats.decode_seconds - dec_last,
                                       final=True)
-                st = session.engine.stats
+                st = session.stats()
                 summary.update(
                     generated_tokens=n,
                     decode_seconds=round(stats.decode_seconds, 3),
                     mean_decode_tokens_per_s=round(n / stats.decode_seconds, 3) if stats.decode_seconds > 0 else None,
                     last_interval_tokens_per_s=last_row["interval_tokens_per_s"] if last_row else None,
                     final_rss_bytes=rss_bytes()[0],
-                    final_live_cells=session.engine.n_live, max_live_cells=st.max_live,
-                    kv_bytes=session.ctx.kv_bytes, n_ctx=session.ctx.n_ctx,
+                    final_live_cells=st.n_live, max_live_cells=st.max_live,
+                    kv_bytes=st.kv_bytes, n_ctx=st.n_ctx,
                     n_evicted=st.n_evicted, eviction_rounds=st.n_rounds,
                     mean_eviction_round_ms=(round(1000 * st.evict_seconds / st.n_rounds, 4)
                                             if st.n_rounds else None),
@@ -203,4 +207,4 @@ def _peak_rss() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, "bench_long"))
+    sys.exit(run_main("bench_long", main))

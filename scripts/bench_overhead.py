@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, git_rev, machine, median_ratio, one_run, run_cli  # noqa: E402
+from benchlib import ROOT, git_rev, machine, median_ratio, one_run  # noqa: E402
+
+from epikv_local.errors import ConfigError, run_main  # noqa: E402
 
 VARIANTS = {
     "plain": dict(policy="none", flash_attn=True, route="layer_out", verify=False),
@@ -50,16 +52,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "results" / "overhead.json"))
     args = ap.parse_args(argv)
 
-    from epikv_local.default_model import default_model_path
-    from epikv_local.model import Model, check_gguf
+    from epikv_local.api.models import default_model_path
+    from epikv_local.engine.handles import Model, check_gguf
+    from epikv_local.eval.traces import default_dev_traces
 
     names = [v for v in args.variants.split(",") if v]
     for v in names:
         if v not in VARIANTS:
-            print(f"bench_overhead: error: unknown variant {v!r}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
-            return 2
+            raise ConfigError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
     path = check_gguf(args.model) if args.model else default_model_path()
-    traces = ROOT.parent / "shared" / "data" / "r1_traces_dev.jsonl"
+    traces = default_dev_traces()  # ../shared/data/r1_traces_dev.jsonl; DataError when absent
     with Model(path) as model:
         text = "\n".join(json.loads(line)["trace"] for line in traces.read_text().splitlines()[:6])
         prompt = model.tokenize(text)[: args.kv_budget - args.batch]
@@ -108,4 +110,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, "bench_overhead"))
+    sys.exit(run_main("bench_overhead", main))

@@ -16,7 +16,8 @@ tokens/s and the median of the per-round ratios to ``plain``:
                   ``plain-noFA`` is the scoring/readback cost alone, their ratio to ``plain`` the whole cost.
 
 It also reports the per-round speed ratio of ``epikv`` to each attention-based policy (measured, not
-assumed) and the mean cost of one eviction round per policy (``engine.stats.evict_seconds / n_rounds``).
+assumed) and the mean cost of one eviction round per policy (``evict_seconds / n_rounds`` of
+``Session.stats()``).
 Results: ``results/speed.json`` (with the command, git revision and machine) and a table on stdout.
 """
 
@@ -32,7 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, git_rev, machine, median_ratio, one_run, run_cli  # noqa: E402
+from benchlib import ROOT, git_rev, machine, median_ratio, one_run  # noqa: E402
+
+from epikv_local.errors import run_main  # noqa: E402
 
 BASELINES = {
     "plain": dict(policy="none", flash_attn=True, verify=False),
@@ -42,15 +45,15 @@ BASELINES = {
 
 def variant_spec(name: str) -> dict:
     """plain / plain-noFA, or a registered policy (attention policies get flash attention off)."""
-    from epikv_local.policies import ATTENTION_POLICIES
+    from epikv_local.policies import REGISTRY
 
     if name in BASELINES:
         return BASELINES[name]
-    return dict(policy=name, flash_attn=name not in ATTENTION_POLICIES, verify=True)
+    return dict(policy=name, flash_attn=not REGISTRY[name].cls.needs_attention, verify=True)
 
 
 def main(argv=None) -> int:
-    from epikv_local.policies import ATTENTION_POLICIES, REGISTRY
+    from epikv_local.policies import REGISTRY
 
     default_policies = [p for p in REGISTRY if p != "none"]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,11 +84,12 @@ def main(argv=None) -> int:
             ap.error(f"unknown policy {p!r}; choose from {', '.join(REGISTRY)}")
     names = list(BASELINES) + [p for p in policies if p not in BASELINES]
 
-    from epikv_local.default_model import default_model_path
-    from epikv_local.model import Model, check_gguf
+    from epikv_local.api.models import default_model_path
+    from epikv_local.engine.handles import Model, check_gguf
+    from epikv_local.eval.traces import default_dev_traces
 
     path = check_gguf(args.model) if args.model else default_model_path()
-    traces = ROOT.parent / "shared" / "data" / "r1_traces_dev.jsonl"
+    traces = default_dev_traces()  # ../shared/data/r1_traces_dev.jsonl; DataError when absent
     t_start = time.time()
     with Model(path) as model:
         text = "\n".join(json.loads(line)["trace"] for line in traces.read_text().splitlines()[:12])
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
         summary[v] = {
             "policy": specs[v]["policy"],
             "flash_attn_requested": specs[v]["flash_attn"],
-            "attention_readback": specs[v]["policy"] in ATTENTION_POLICIES,
+            "attention_readback": REGISTRY[specs[v]["policy"]].cls.needs_attention,
             "median_tokens_per_s": statistics.median(tps),
             "median_ratio_to_plain": r_plain,
             "median_ratio_to_plain_noFA": r_nofa,
@@ -130,7 +134,7 @@ def main(argv=None) -> int:
     epikv_vs = {}
     if "epikv" in runs:
         for a in names:
-            if specs[a]["policy"] in ATTENTION_POLICIES:
+            if REGISTRY[specs[a]["policy"]].cls.needs_attention:
                 med, ratios = median_ratio(runs["epikv"], runs[a])
                 epikv_vs[a] = {"median_speed_ratio": med, "ratios": ratios}
     out = {
@@ -162,4 +166,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, "bench_speed"))
+    sys.exit(run_main("bench_speed", main))

@@ -35,41 +35,30 @@ def one_run(model, spec: dict, prompt: list[int], n_tokens: int, budget: int, n_
     """Prefill ``prompt`` and decode ``n_tokens`` greedily under ``spec``; returns tokens/s and eviction stats.
 
     spec: ``policy`` (registry name), ``flash_attn`` (bool), ``verify`` (probe the graph for flash attention),
-    optional ``route`` ("layer_out" | "callback"). Policy ``none`` uses the context's slack for the generated
-    tokens (same n_ctx as the evicting runs: the plain llama.cpp baseline).
+    optional ``route`` ("layer_out" | "callback"). Every run allocates the same context,
+    ``context_cells(budget, n_batch)`` = budget + n_batch cells; policy ``none`` (the plain llama.cpp
+    baseline) gets that whole context as its budget, so the generated tokens fill the slack beyond ``budget``.
     """
-    from epikv_local.eviction import BudgetConfig
-    from epikv_local.generate import SamplingConfig, generate
+    from epikv_local.api.generation import generate
+    from epikv_local.api.sampling import SamplingConfig
+    from epikv_local.engine.budget import BudgetConfig, context_cells
+    from epikv_local.engine.session import Session, SessionConfig
     from epikv_local.policies import make_policy
-    from epikv_local.session import Session, SessionConfig
 
+    n_ctx = context_cells(budget, n_batch)
     cfg = SessionConfig(n_batch=n_batch, n_threads=threads, flash_attn=spec["flash_attn"],
-                        verify_flash_attn=spec["verify"], capture_route=spec.get("route", "layer_out"))
-    bcfg = BudgetConfig(kv_budget=budget, protect_prompt=False)
+                        verify_flash_attn=spec["verify"], capture_route=spec.get("route", "layer_out"), n_ctx=n_ctx)
+    bcfg = BudgetConfig(kv_budget=n_ctx if spec["policy"] == "none" else budget, protect_prompt=False)
     with Session(model, make_policy(spec["policy"]), bcfg, cfg) as s:
-        if spec["policy"] == "none":
-            s.engine.cfg = BudgetConfig(kv_budget=s.ctx.n_ctx, protect_prompt=False)
         res = generate(s, prompt, n_tokens, SamplingConfig(), ignore_eog=True)
-        st = s.engine.stats
+        st = s.stats()
         return {"tps": res.stats.decode_tokens_per_s, "n_generated": res.stats.n_generated_tokens,
                 "n_evicted": st.n_evicted, "rounds": st.n_rounds, "evict_s": st.evict_seconds,
-                "max_live": st.max_live, "n_ctx": s.ctx.n_ctx,
-                "flash_attn": bool(s.flash_attn) if spec["verify"] else None}
+                "max_live": st.max_live, "n_ctx": st.n_ctx,
+                "flash_attn": st.flash_attn if spec["verify"] else None}
 
 
 def median_ratio(a: list[dict], b: list[dict]) -> tuple[float | None, list[float]]:
     """Median of the per-round ratios a/b of tokens/s (rounds paired in order)."""
     ratios = [x["tps"] / y["tps"] for x, y in zip(a, b) if y["tps"] > 0]
     return (statistics.median(ratios) if ratios else None), ratios
-
-
-def run_cli(main, prog: str, argv=None) -> int:
-    """Run a script's main(argv); expected failures become one ``<prog>: error: ...`` line and exit status 2."""
-    from epikv_local.native import NativeError
-
-    try:
-        return main(argv)
-    except (ValueError, OSError, NativeError, RuntimeError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"{prog}: error: {msg}", file=sys.stderr)
-        return 2

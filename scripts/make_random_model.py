@@ -10,8 +10,8 @@ the same size).
 
 Random F16 weights (F32 norms) are streamed to a temporary GGUF with ``gguf.GGUFWriter`` (next to the output,
 deleted afterwards), then quantized with the patched build's quantizer (``llama_model_quantize``, Q4_0 by
-default) to ``--out``. The result is checked: it loads with ``epikv_local.model.Model`` and greedy-decodes a
-few tokens. Prints the output path on the last line.
+default) to ``--out``. The result is checked: it loads with ``epikv_local.engine.handles.Model`` and
+greedy-decodes a few tokens. Prints the output path on the last line.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from epikv_local.errors import ConfigError, run_main  # noqa: E402
+
 FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
           "f16": None}
 
 
 def default_out() -> Path:
-    from epikv_local.default_model import cache_dir
+    from epikv_local.api.models import cache_dir
 
     return cache_dir() / "models" / "random-llama-1b-q4_0.gguf"
 
@@ -119,7 +121,7 @@ def write_f16(path: Path, args, tok_fields, n_vocab: int, seed: int) -> int:
 
 
 def quantize(src: Path, dst: Path, ftype: str, threads: int | None) -> None:
-    from epikv_local.native import load
+    from epikv_local.engine.native import load
 
     nat = load()
     ll = nat.llama
@@ -128,16 +130,17 @@ def quantize(src: Path, dst: Path, ftype: str, threads: int | None) -> None:
     params.nthread = threads or 0
     rc = ll.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
-        raise RuntimeError(f"llama_model_quantize failed ({rc}): {nat.log.recent_errors()}")
+        raise nat.error(f"llama_model_quantize failed ({rc})")
 
 
 def check(path: Path, n_tokens: int = 4) -> dict:
     """Load the model and greedy-decode a few tokens; returns its shape and the tokens."""
-    from epikv_local.eviction import BudgetConfig
-    from epikv_local.generate import SamplingConfig, generate
-    from epikv_local.model import Model
+    from epikv_local.api.generation import generate
+    from epikv_local.api.sampling import SamplingConfig
+    from epikv_local.engine.budget import BudgetConfig
+    from epikv_local.engine.handles import Model
+    from epikv_local.engine.session import Session, SessionConfig
     from epikv_local.policies import make_policy
-    from epikv_local.session import Session, SessionConfig
 
     with Model(path) as model:
         prompt = model.tokenize("The quick brown fox jumps over the lazy dog.")
@@ -167,18 +170,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for k in ("layers", "embd", "n_head", "n_head_kv", "n_ff"):
         if getattr(args, k) < 1:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+            raise ConfigError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
     if args.embd % args.n_head or args.n_head % args.n_head_kv:
-        raise ValueError(f"--embd ({args.embd}) must divide by --n-head ({args.n_head}) and --n-head by "
-                         f"--n-head-kv ({args.n_head_kv})")
-    if args.embd % args.n_head or args.n_head % args.n_head_kv:
-        ap.error("n_embd must be a multiple of n_head, and n_head of n_head_kv")
+        raise ConfigError(f"--embd ({args.embd}) must divide by --n-head ({args.n_head}) and --n-head by "
+                          f"--n-head-kv ({args.n_head_kv})")
     if args.embd % 32 or args.n_ff % 32:
         ap.error("n_embd and n_ff must be multiples of 32 (quantization blocks)")
 
-    from epikv_local.default_model import default_model_path
+    from epikv_local.api.models import default_model_path
+    from epikv_local.engine.handles import check_gguf
 
-    src_vocab = Path(args.vocab_from) if args.vocab_from else default_model_path()
+    src_vocab = check_gguf(args.vocab_from) if args.vocab_from else default_model_path()
     out = Path(args.out).expanduser() if args.out else default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
     tok = tokenizer_fields(src_vocab)
@@ -206,7 +208,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from benchlib import run_cli
-
-    sys.exit(run_cli(main, "make_random_model"))
+    sys.exit(run_main("make_random_model", main))

@@ -1,4 +1,4 @@
-"""Anatomy rank statistics (numpy only) against hand-computed values, and the layer ranking on synthetic data."""
+"""Rank statistics (eval.stats, numpy only) against hand-computed values, and the layer ranking on synthetic data."""
 
 from __future__ import annotations
 
@@ -7,16 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from epikv_local.anatomy import (
-    analyse,
-    auroc,
-    rank_layers,
-    rankdata,
-    spearman,
-    top_fraction,
-    trace_signals,
-    within_groups_spearman,
-)
+from epikv_local.eval.anatomy import analyse, rank_layers, trace_signals
+from epikv_local.eval.stats import auroc, rankdata, spearman, top_fraction, within_groups_spearman
 
 
 def test_rankdata_average_ties():

@@ -100,7 +100,7 @@ def test_make_random_model_smoke(model_path, tmp_path):
                                                 "--n-head-kv", "2", "--out", str(out), "--no-check"])
     assert rc == 0 and out.is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".random-model-")]  # temp F16 removed
-    from epikv_local.model import Model
+    from epikv_local.engine.handles import Model
 
     with Model(out) as m:
         info = m.info

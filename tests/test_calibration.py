@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 
-from epikv_local.calibration import CalibrationResult, load_file
-from epikv_local.scoring import ScoringConfig
+from epikv_local.api.calibration import CalibrationResult, load_file, resolve_policy
+from epikv_local.policies import ModelShape
 
 CLI = [sys.executable, "-m", "epikv_local.cli"]
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "r1_traces_dev.jsonl"
@@ -19,23 +19,22 @@ TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "r1_tr
 def test_result_configs():
     r = CalibrationResult(model_sha256="x", arch="llama", n_layer=30, layer_a=5, layer_b=17, window=64,
                           recent_fraction=0.25, delta_nll=0.1, baseline_delta_nll=0.2)
-    cfg = r.scoring_config()
-    assert cfg.layers_for_depth(30) == (5, 17) and cfg.window == 64
-    assert r.budget_config(128).recent == 32
+    assert r.policy_options() == {"layers": (5, 17), "window": 64}
     single = CalibrationResult(model_sha256="x", arch="llama", n_layer=30, layer_a=28, layer_b=None, window=128,
                                recent_fraction=0.5, delta_nll=0.1, baseline_delta_nll=0.2)
-    assert single.scoring_config().layers_for_depth(30) == (28,)
+    assert single.policy_options()["layers"] == (28,)
 
 
 def test_load_for_model_without_calibration(tmp_path, monkeypatch):
-    from epikv_local import calibration
+    from epikv_local.api import calibration
 
     monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF" + b"\0" * 100)
     assert calibration.load_for_model(f) is None
-    assert calibration.scoring_config_for(f) == ScoringConfig()
-    assert calibration.recent_fraction_for(f) == 0.5
+    res = resolve_policy("epikv", f)
+    assert res.calibration is None and res.recent_fraction == 0.5
+    assert res.policy.bind(ModelShape(n_layer=30)).layers == (9, 20)  # the documented default
     # the content hash is cached and is the sha256 of the file
     import hashlib
 
@@ -59,7 +58,7 @@ def test_calibrate_quick_roundtrip(model_path, tmp_path):
     assert 0 <= cal.layer_a <= 28 and (cal.layer_b is None or 0 <= cal.layer_b <= 28)
 
     # load_for_model finds it by content hash, in this cache directory
-    code = ("import sys, json; from epikv_local.calibration import load_for_model; "
+    code = ("import sys, json; from epikv_local.api.calibration import load_for_model; "
             "c = load_for_model(sys.argv[1]); print(json.dumps([c.path, c.layer_a, c.layer_b, c.window]))")
     r2 = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True, text=True, env=env,
                         timeout=120)
@@ -87,10 +86,16 @@ def test_calibrate_quick_roundtrip(model_path, tmp_path):
 
 def test_default_model_ships_its_calibration(model_path, tmp_path, monkeypatch):
     """The default model's measured calibration is packaged and found by content hash with an empty cache."""
-    from epikv_local import calibration
+    from epikv_local.api import calibration
 
     monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
     cal = calibration.load_for_model(model_path)
     assert cal is not None and Path(cal.path).parent == calibration.PACKAGED_DIR
     assert (cal.layer_a, cal.layer_b, cal.window, cal.recent_fraction) == (19, None, 128, 0.75)
-    assert cal.scoring_config().layers_for_depth(30) == (19,)
+    assert cal.policy_options() == {"layers": (19,), "window": 128}
+    res = resolve_policy("epikv", model_path)
+    assert res.calibration == cal and res.recent_fraction == 0.75
+    assert res.policy.bind(ModelShape(n_layer=30)).layers == (19,)
+    # explicit settings win over the calibration; a non-calibratable policy never takes one
+    assert resolve_policy("epikv", model_path, {"window": 64}).calibration is None
+    assert resolve_policy("streaming", model_path).calibration is None

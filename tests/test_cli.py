@@ -51,7 +51,7 @@ def test_non_gguf_file(tmp_path):
 
 def test_layers_beyond_depth(model_path):
     one_line_error(cli("generate", "--model", str(model_path), "--prompt", "hi", "--layers", "9,40"),
-                   "beyond this 30-layer model")
+                   "beyond what a 30-layer model can capture")
 
 
 def test_budget_smaller_than_protected(model_path):

@@ -11,17 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from epikv_local.fidelity import (
+from epikv_local.eval.fidelity import (
     METRICS,
     StreamingComparison,
-    bootstrap_ci,
     compare_pass,
-    load_traces,
-    log_softmax,
     position_metrics,
     reference_pass,
     summarize,
 )
+from epikv_local.errors import DataError
+from epikv_local.eval.stats import bootstrap_ci, log_softmax
+from epikv_local.eval.traces import load_traces
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = [sys.executable, str(REPO / "scripts" / "bench_fidelity.py")]
@@ -103,7 +103,7 @@ def test_budget_above_trace_equals_reference(model):
     traces = load_traces(TRACES, model, max_tokens=150, n_traces=1)
     assert traces and len(traces[0][1]) == 150
     _, toks = traces[0]
-    from epikv_local.eviction import BudgetConfig
+    from epikv_local.engine.budget import BudgetConfig
 
     ref = reference_pass(model, toks, chunk=16, flash_attn=True, eval_start=0)
     assert ref.logp.shape == (149, model.info.n_vocab) and ref.logp.dtype == np.float32
@@ -121,7 +121,7 @@ def test_load_traces_truncates_and_skips(model, tmp_path):
     got = load_traces(f, model, max_tokens=40, n_traces=5)
     assert [t for t, _ in got] == ["long"] and len(got[0][1]) == 40
     assert got[0][1] == model.tokenize("Count.\n\n" + " one two three" * 50)[:40]
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(DataError, match="not found"):
         load_traces(tmp_path / "missing.jsonl", model, 40)
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from epikv_local.eviction import BudgetConfig, BudgetError
-from epikv_local.generate import SamplingConfig, apply_chat_template, generate, tokenize_prompt
+from epikv_local.engine.budget import BudgetConfig, BudgetError
+from epikv_local.api.chat import apply_chat_template, tokenize_prompt
+from epikv_local.api.generation import generate
+from epikv_local.api.sampling import SamplingConfig
 from epikv_local.policies import make_policy
-from epikv_local.selection import select_evictions
-from epikv_local.session import Session, SessionConfig
+from epikv_local.engine.selection import select_evictions
+from epikv_local.engine.session import Session, SessionConfig
 
 PROMPT = "Explain step by step how to compute 17 * 23, then check the result."
 
@@ -22,7 +26,7 @@ def prompt_tokens(model):
 def run(model, policy, budget, tokens, max_tokens, route="layer_out", record=False, ignore_eog=True, **kw):
     with Session(model, make_policy(policy), budget, SessionConfig(capture_route=route, **kw), record=record) as s:
         res = generate(s, tokens, max_tokens, SamplingConfig(), ignore_eog=ignore_eog)
-        return res, s.engine.stats
+        return res, SimpleNamespace(**vars(s.stats()), events=s.events)
 
 
 @pytest.mark.parametrize("route", ["layer_out", "callback"])

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from epikv_local.labels import LabelSettings, label_trace, nll_rows, read_labels
+from epikv_local.eval.labels import LabelSettings, label_trace, read_labels
+from epikv_local.eval.stats import nll_rows
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "data" / "r1_traces_dev.jsonl"

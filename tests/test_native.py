@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from epikv_local.capture import MODE_CAPTURE, MODE_PROBE, CallbackHandle, flash_attn_active
-from epikv_local.model import Context, KVFullError
-from epikv_local.scoring import diff_norms
+from epikv_local.engine.capture import MODE_CAPTURE, MODE_PROBE, CallbackHandle, flash_attn_active
+from epikv_local.engine.handles import Context, KVFullError
+from epikv_local.policies.scoring import diff_norms
 
 TEXT = ("Let x be the number of apples. Then 3x + 5 = 20, so 3x = 15 and x = 5. "
         "Check: 3 * 5 + 5 = 20. Therefore the answer is 5. Now consider the next problem carefully.")
@@ -179,7 +179,7 @@ def test_cell_positions_follow_removals(model, tokens):
 
 
 def test_attention_readback_with_flash_attention_off(model, nat, tokens):
-    from epikv_local.capture import MODE_ATTN
+    from epikv_local.engine.capture import MODE_ATTN
 
     layers = (2, 9)
     with CallbackHandle(nat, layers, model.info.n_embd, 64, 0) as h:
@@ -205,20 +205,16 @@ def test_attention_readback_with_flash_attention_off(model, nat, tokens):
 def test_missing_l_out_tensor_is_a_clear_error():
     """An architecture whose graph names no l_out-<il> (llama_get_layer_capture returns NULL) is refused with
     a message naming the architecture, not a crash (the CLI prints it as one line)."""
-    from types import SimpleNamespace
+    from epikv_local.engine.capture import LayerOutCapture
+    from epikv_local.engine.native import NativeError
 
-    from epikv_local.capture import LayerOutCapture
-    from epikv_local.native import NativeError
-
-    class NoLOut:
-        model = SimpleNamespace(info=SimpleNamespace(arch="someformer"))
-
-        def set_layer_out(self, il, enable=True):
+    class NoLOut:  # a stand-in for the engine's KVContext protocol
+        def set_layer_capture(self, il, enable=True, kind=0):
             pass
 
         def layer_out(self, il, n_tokens):
             return None
 
-    cap = LayerOutCapture(NoLOut(), (3, 7))
+    cap = LayerOutCapture(NoLOut(), (3, 7), arch="someformer")
     with pytest.raises(NativeError, match="someformer.*no l_out-3"):
         cap.after_decode(4)

@@ -10,14 +10,18 @@ import sys
 import numpy as np
 import pytest
 
-from epikv_local.eviction import BudgetConfig
-from epikv_local.generate import SamplingConfig, apply_chat_template, generate, tokenize_prompt
-from epikv_local.policies import ATTENTION_POLICIES, EPIKV_POLICIES, REGISTRY, Observation, make_policy
-from epikv_local.selection import select_evictions
-from epikv_local.session import Session, SessionConfig
+from epikv_local.engine.budget import BudgetConfig
+from epikv_local.api.chat import apply_chat_template, tokenize_prompt
+from epikv_local.api.generation import generate
+from epikv_local.api.sampling import SamplingConfig
+from epikv_local.errors import ConfigError
+from epikv_local.policies import REGISTRY, ModelShape, Observation, make_policy
+from epikv_local.engine.selection import select_evictions
+from epikv_local.engine.session import Session, SessionConfig
 
 N_LAYER = 30
 D_K = 192  # SmolLM2-135M: 3 KV heads x 64
+SHAPE = ModelShape(n_layer=N_LAYER, n_embd=576, n_head=9, n_head_kv=3)
 ALL = sorted(REGISTRY)
 EVICTING = [n for n in ALL if n != "none"]
 
@@ -28,10 +32,10 @@ def synth_obs(policy, positions, rng, cells: np.ndarray | None = None) -> Observ
     positions = np.asarray(positions, dtype=np.int64)
     T = len(positions)
     obs = Observation(positions=positions)
-    layers = policy.layers(N_LAYER)
+    layers = policy.bound.layers
     if layers:
         obs.g = rng.gamma(2.0, 1.0, size=(T, len(layers)))
-    key_layers = policy.key_layers(N_LAYER)
+    key_layers = policy.bound.key_layers
     if key_layers:
         obs.keys = rng.normal(size=(T, len(key_layers), D_K)).astype(np.float32)
     if policy.needs_attention:
@@ -48,7 +52,7 @@ def feed_synthetic(name, seed=0, **kw):
     """Three decodes (8 tokens, then 1, then 1) of synthetic signals; returns the policy and live positions."""
     policy = make_policy(name, **kw)
     rng = np.random.default_rng(seed)
-    policy.reset()
+    policy.bind(SHAPE)
     live = np.zeros(0, dtype=np.int64)
     for chunk in (np.arange(0, 8), np.array([8]), np.array([9])):
         live = np.concatenate([live, chunk])
@@ -72,21 +76,46 @@ def test_scores_shape_dtype_determinism(name):
 def test_registry_and_families():
     assert set(ALL) == {"none", "streaming", "random", "knorm", "keydiff", "lagkv", "epikv", "epikv_lag",
                         "epikv_raw", "epikv_single", "h2o", "tova", "snapkv"}
-    assert ATTENTION_POLICIES == {n for n in ALL if make_policy(n).needs_attention}
-    assert EPIKV_POLICIES == {"epikv", "epikv_lag", "epikv_raw", "epikv_single"}
-    assert make_policy("epikv_lag").cfg.normalization == "lag"
-    assert make_policy("epikv_raw").cfg.normalization == "raw"
-    assert make_policy("epikv_single").cfg.layer_b is None and make_policy("epikv_single").layers(N_LAYER) == (9,)
-    assert make_policy("epikv").cfg.normalization == "zscore" and len(make_policy("epikv").layers(N_LAYER)) == 2
-    with pytest.raises(ValueError, match="unknown policy"):
+    # traits are class attributes, read from the registry's classes
+    assert {n for n in ALL if REGISTRY[n].cls.needs_attention} == {"h2o", "tova", "snapkv"}
+    assert {n for n in ALL if REGISTRY[n].cls.calibratable} == {"epikv", "epikv_lag", "epikv_raw", "epikv_single"}
+    assert [n for n in ALL if not REGISTRY[n].cls.evicts] == ["none"]
+    # variants are named configurations of one class, not copies
+    assert make_policy("epikv_lag").normalization == "lag"
+    assert make_policy("epikv_raw").normalization == "raw"
+    assert make_policy("epikv_single").bind(SHAPE).layers == (9,)
+    assert make_policy("epikv").normalization == "zscore" and make_policy("epikv").bind(SHAPE).layers == (9, 20)
+    assert make_policy("epikv", layers=(19,)).bind(SHAPE).layers == (19,)
+    with pytest.raises(ConfigError, match="unknown policy"):
         make_policy("h3o")
+
+
+@pytest.mark.parametrize("name,options,match", [
+    ("streaming", {"layers": (3,)}, "has no setting 'layers'"),
+    ("epikv", {"window": 0}, "window"),
+    ("epikv", {"layers": (3, 3)}, "distinct"),
+    ("epikv", {"normalization": "l2"}, "normalization"),
+    ("random", {"seed": -1}, "seed"),
+    ("snapkv", {"kernel": 0}, "kernel"),
+    ("lagkv", {"chunk": 1}, "chunk"),
+    ("knorm", {"n_key_layers": 0}, "n_key_layers"),
+])
+def test_settings_are_validated_on_construction(name, options, match):
+    with pytest.raises(ConfigError, match=match):
+        make_policy(name, **options)
+
+
+def test_bind_rejects_layers_beyond_the_model():
+    with pytest.raises(ConfigError, match="beyond"):
+        make_policy("epikv", layers=(29,)).bind(SHAPE)  # the last layer keeps only output rows
 
 
 # -- hand-made rankings ---------------------------------------------------------------------------------------
 def keys_obs(policy, rows):
     """rows: (T, d) one key per token, repeated over the policy's key layers."""
     rows = np.asarray(rows, dtype=np.float32)
-    L = len(policy.key_layers(N_LAYER))
+    sig = getattr(policy, "bound", None) or policy.bind(SHAPE)
+    L = len(sig.key_layers)
     return np.repeat(rows[:, None, :], L, axis=1)
 
 
@@ -108,7 +137,7 @@ def test_random_is_seed_deterministic():
 
 def test_knorm_keeps_small_norm_keys():
     p = make_policy("knorm")
-    assert p.key_layers(N_LAYER) == tuple(range(N_LAYER))
+    assert p.bind(SHAPE).key_layers == tuple(range(N_LAYER))
     rng = np.random.default_rng(0)
     base = rng.normal(size=(3, D_K))
     base /= np.linalg.norm(base, axis=1, keepdims=True)
@@ -119,14 +148,14 @@ def test_knorm_keeps_small_norm_keys():
     np.testing.assert_allclose(s, [-1.0, -5.0, -0.2], rtol=1e-5)
     # per-head variant ranks the same way
     ph = make_policy("knorm", n_head_kv=3, n_key_layers=4)
-    assert len(ph.key_layers(N_LAYER)) == 4
+    assert len(ph.bind(SHAPE).key_layers) == 4
     ph.observe(Observation(positions=np.arange(3), keys=keys_obs(ph, rows)))
     assert np.argsort(-ph.score(np.arange(3))).tolist() == [2, 0, 1]
 
 
 def test_keydiff_keeps_keys_orthogonal_to_the_mean():
     p = make_policy("keydiff")
-    assert len(p.key_layers(N_LAYER)) == 4
+    assert len(p.bind(SHAPE).key_layers) == 4
     e = np.eye(D_K)
     rows = np.stack([e[0], e[0], e[0] * 2, e[1]])  # three keys along e0 (the mean), one orthogonal
     p.observe(Observation(positions=np.arange(4), keys=keys_obs(p, rows)))
@@ -221,16 +250,16 @@ def test_policy_end_to_end(model, prompt_tokens, name):
     B, n_sink, n_recent = 96, 4, 32
     budget = BudgetConfig(kv_budget=B, n_sink=n_sink, n_recent=n_recent, protect_prompt=False, evict_chunk=8)
     policy = make_policy(name)
-    with Session(model, policy, budget, SessionConfig(flash_attn=(name not in ATTENTION_POLICIES)),
-                 record=True) as s:
+    fa = not REGISTRY[name].cls.needs_attention
+    with Session(model, policy, budget, SessionConfig(flash_attn=fa), record=True) as s:
         res = generate(s, prompt_tokens, 160, SamplingConfig(), ignore_eog=True)
-        stats = s.engine.stats
+        stats, events = s.stats(), s.events
     assert res.stats.n_generated_tokens == 160
     assert res.stats.policy == name
-    assert res.stats.flash_attn is (name not in ATTENTION_POLICIES)
+    assert res.stats.flash_attn is fa
     assert stats.max_live <= B
-    assert stats.n_evicted > 0 and stats.events
-    for ev in stats.events:
+    assert stats.n_evicted > 0 and events
+    for ev in events:
         assert len(ev.scores) == len(ev.positions)
         assert not np.isin(ev.evicted, ev.positions[ev.protected]).any()
         newest = ev.positions.max()
@@ -272,5 +301,5 @@ def test_cli_accepts_every_policy():
     from epikv_local.cli import build_parser
 
     for name in ALL:
-        args = build_parser().parse_args(["generate", "--model", "m.gguf", "--prompt", "x", "--policy", name])
+        args = build_parser()[0].parse_args(["generate", "--model", "m.gguf", "--prompt", "x", "--policy", name])
         assert args.policy == name and args.no_flash_attn is False

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from epikv_local.scoring import (
+from epikv_local.policies.scoring import (
     ScoringConfig,
     StreamingScorer,
     causal_moving_average,
@@ -421,8 +421,8 @@ def test_no_native_imports():
     """The scoring math and the selection step import numpy only (checked in a fresh interpreter)."""
     import subprocess
 
-    code = ("import sys, epikv_local.scoring, epikv_local.selection; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('llama_cpp', 'cffi') or m == 'epikv_local.native']; "
+    code = ("import sys, epikv_local.policies.scoring, epikv_local.engine.selection; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('llama_cpp', 'cffi') or m == 'epikv_local.engine.native']; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

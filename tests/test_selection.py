@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from epikv_local.selection import protected_mask, select_evictions
+from epikv_local.engine.selection import protected_mask, select_evictions
 
 
 def sel(pos, sc, prot, n):

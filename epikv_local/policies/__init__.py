@@ -1,9 +1,21 @@
-"""Eviction policies: one scorer per module, one registry (name -> factory). See docs/policies.md."""
+"""Policies: small scorers (higher = keep), one per module, and the one registry of named configurations.
+
+Owns: the scorer contract (:mod:`.base`), the EPIKV scoring math (:mod:`.scoring`, numpy only) and every
+policy. A policy is a dataclass whose fields are its settings; its traits (``evicts``, ``needs_attention``,
+``calibratable``) are class attributes, read from the registry's classes by callers (never by name). The
+engine binds a policy to a model (``Policy.bind``) and runs every policy's scores through one selection step.
+
+May import: numpy and :mod:`epikv_local.errors`. Never the engine, the front doors or the evaluation code.
+See docs/policies.md.
+"""
 
 from __future__ import annotations
 
-from .base import Observation, Policy
-from .epikv import EpikvPolicy, epikv_lag, epikv_raw, epikv_single
+from dataclasses import dataclass, field, fields
+
+from ..errors import ConfigError
+from .base import ModelShape, Observation, Policy, Signals
+from .epikv import EpikvPolicy
 from .h2o import H2OPolicy
 from .keydiff import KeyDiffPolicy
 from .knorm import KNormPolicy
@@ -14,37 +26,67 @@ from .snapkv import SnapKVPolicy
 from .streaming import StreamingLLM
 from .tova import TOVAPolicy
 
-REGISTRY = {
-    "none": NoEviction,
-    "streaming": StreamingLLM,
-    "random": RandomPolicy,
-    "knorm": KNormPolicy,
-    "keydiff": KeyDiffPolicy,
-    "lagkv": LagKVPolicy,
-    "epikv": EpikvPolicy,
-    "epikv_lag": epikv_lag,
-    "epikv_raw": epikv_raw,
-    "epikv_single": epikv_single,
-    "h2o": H2OPolicy,
-    "tova": TOVAPolicy,
-    "snapkv": SnapKVPolicy,
-}
 
-#: Policies configured by a ``ScoringConfig`` (``cfg=``): the CLI's --layers/--window apply to them.
-EPIKV_POLICIES = frozenset({"epikv", "epikv_lag", "epikv_raw", "epikv_single"})
-#: Policies reading the attention matrix: they need flash attention off (SessionConfig(flash_attn=False)).
-ATTENTION_POLICIES = frozenset({"h2o", "tova", "snapkv"})
+@dataclass(frozen=True)
+class PolicySpec:
+    """A registered name: a policy class and the settings that make this named configuration."""
+
+    name: str
+    cls: type[Policy]
+    preset: dict = field(default_factory=dict)
+    help: str = ""
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        """Settings a user may give (the class's dataclass fields)."""
+        return tuple(f.name for f in fields(self.cls) if f.init)
 
 
-def make_policy(name: str, **kwargs) -> Policy:
-    """Instantiate a registered policy by name; ValueError naming the choices otherwise."""
+_SPECS = [
+    PolicySpec("none", NoEviction, help="no eviction (plain llama.cpp)"),
+    PolicySpec("streaming", StreamingLLM, help="StreamingLLM: sinks + recent window"),
+    PolicySpec("random", RandomPolicy, help="seeded random scores (sanity baseline)"),
+    PolicySpec("knorm", KNormPolicy, help="low key L2 norm = keep"),
+    PolicySpec("keydiff", KeyDiffPolicy, help="keys least similar to the mean key = keep"),
+    PolicySpec("lagkv", LagKVPolicy, help="LagKV: key spread against the next chunk (K only)"),
+    PolicySpec("epikv", EpikvPolicy, help="EPIKV: rolling z-score of the residual-stream change, two bands"),
+    PolicySpec("epikv_lag", EpikvPolicy, {"normalization": "lag"}, "EPIKV with median/MAD normalisation"),
+    PolicySpec("epikv_raw", EpikvPolicy, {"normalization": "raw"}, "EPIKV on raw g (no normalisation)"),
+    PolicySpec("epikv_single", EpikvPolicy, {"ref_layers": (10,)}, "EPIKV with band A only"),
+    PolicySpec("h2o", H2OPolicy, help="H2O: accumulated attention (flash attention off)"),
+    PolicySpec("tova", TOVAPolicy, help="TOVA: newest query's attention (flash attention off)"),
+    PolicySpec("snapkv", SnapKVPolicy, help="SnapKV: pooled attention of a window (flash attention off)"),
+]
+
+#: name -> PolicySpec of every registered policy
+REGISTRY: dict[str, PolicySpec] = {s.name: s for s in _SPECS}
+
+
+def policy_spec(name: "str | PolicySpec") -> PolicySpec:
+    """The registered spec of ``name`` (a spec is returned as is: unregistered configurations, e.g. a model's
+    calibration under its own name, go through the same path); ConfigError naming the choices otherwise."""
+    if isinstance(name, PolicySpec):
+        return name
     try:
-        factory = REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(REGISTRY))}") from None
-    return factory(**kwargs)
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(sorted(REGISTRY))}") from None
 
 
-__all__ = ["Observation", "Policy", "EpikvPolicy", "StreamingLLM", "NoEviction", "RandomPolicy", "KNormPolicy",
-           "KeyDiffPolicy", "LagKVPolicy", "H2OPolicy", "TOVAPolicy", "SnapKVPolicy", "REGISTRY",
-           "EPIKV_POLICIES", "ATTENTION_POLICIES", "make_policy"]
+def make_policy(name: "str | PolicySpec", **options) -> Policy:
+    """A new policy of the registered configuration ``name`` with ``options`` overriding its settings.
+
+    ConfigError for an unknown name, a setting the policy does not have, or a value out of range."""
+    spec = policy_spec(name)
+    unknown = sorted(set(options) - set(spec.option_names))
+    if unknown:
+        has = ", ".join(spec.option_names) or "no settings"
+        raise ConfigError(f"policy {spec.name!r} has no setting {', '.join(map(repr, unknown))} (it has: {has})")
+    policy = spec.cls(**{**spec.preset, **options})
+    policy.name = spec.name  # the registered name (variants share a class)
+    return policy
+
+
+__all__ = ["ModelShape", "Observation", "Policy", "PolicySpec", "Signals", "EpikvPolicy", "StreamingLLM",
+           "NoEviction", "RandomPolicy", "KNormPolicy", "KeyDiffPolicy", "LagKVPolicy", "H2OPolicy", "TOVAPolicy",
+           "SnapKVPolicy", "REGISTRY", "make_policy", "policy_spec"]

@@ -1,17 +1,49 @@
-"""The scorer contract shared by every eviction policy (kvpress-style: one small scorer per module).
+"""The scorer contract shared by every eviction policy (kvpress style: one small dataclass per module).
 
-A policy declares which signals it needs (``layers`` for the residual-stream change g, ``key_layers`` for
-the keys after RoPE, ``needs_attention`` for the attention matrix, which requires flash attention off). The
-session captures exactly those and hands them to ``observe`` once per decode, in order. ``score`` rates live
-positions (higher = keep). A policy never chooses evictions itself: the engine passes its scores through the
-one selection step (:func:`epikv_local.selection.select_evictions`) with the protection mask.
+A policy's dataclass fields are its configuration, checked in ``__post_init__``; its traits are class
+attributes (``evicts``, ``needs_attention``, ``calibratable``). :meth:`Policy.bind` is called once per
+session with the model's shape: it resets the policy and returns the :class:`Signals` it needs (layers
+whose residual-stream change ``g`` to capture, key layers, attention layers). The engine captures exactly
+those and hands them to ``observe`` once per decode, in order. ``score`` rates live positions (higher =
+keep). A policy never chooses evictions itself: the engine passes its scores through the one selection step
+(:func:`epikv_local.engine.selection.select_evictions`) with the protection mask.
+
+Policies import numpy and this package's ``errors`` only, never the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a policy may know of the model (counts)."""
+
+    n_layer: int
+    n_embd: int = 0
+    n_head: int = 0
+    n_head_kv: int = 0
+
+
+@dataclass(frozen=True)
+class Signals:
+    """The signals a bound policy needs, as this model's layer indices.
+
+    layers: layers whose residual-stream change g is captured (0 .. n_layer - 2: the last layer keeps only
+        output rows in llama.cpp).
+    key_layers: layers whose keys after RoPE are captured (0 .. n_layer - 1).
+    attention_layers: layers whose attention weights are read back (only with ``needs_attention``).
+    """
+
+    layers: tuple[int, ...] = ()
+    key_layers: tuple[int, ...] = ()
+    attention_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -35,25 +67,44 @@ class Observation:
     attn_last: np.ndarray | None = None
 
 
+@dataclass
 class Policy:
-    """Base scorer. Subclasses set ``name`` and override ``score`` (and ``observe`` if they need signals)."""
+    """Base scorer. Subclasses are dataclasses: fields = settings; override ``score`` (and ``observe``,
+    ``signals`` when they read captured signals)."""
 
-    name = "base"
-    evicts = True            # False: the engine never evicts (plain llama.cpp behaviour)
-    needs_attention = False  # True: needs kq_soft_max, i.e. flash attention off
+    name: ClassVar[str] = "base"
+    #: False: the engine never evicts (plain llama.cpp behaviour)
+    evicts: ClassVar[bool] = True
+    #: True: reads the attention matrix (kq_soft_max), so flash attention must be off
+    needs_attention: ClassVar[bool] = False
+    #: True: settings can come from a model's calibration file (``epikv-local calibrate``)
+    calibratable: ClassVar[bool] = False
 
-    def layers(self, n_layer: int) -> tuple[int, ...]:
-        """Layers whose residual-stream change ``g`` this policy needs (empty: none)."""
-        return ()
+    def __post_init__(self) -> None:
+        self.reset()
 
-    def key_layers(self, n_layer: int) -> tuple[int, ...]:
-        """Layers whose keys this policy needs (empty: none)."""
-        return ()
+    # -- binding ----------------------------------------------------------------------------------------
+    def bind(self, shape: ModelShape) -> Signals:
+        """Attach to a model of this shape (once per session): reset and return the signals needed."""
+        sig = self.signals(shape)
+        for il in sig.layers:
+            if not 0 <= il < shape.n_layer - 1:
+                raise ConfigError(f"policy {self.name!r}: layer {il} is beyond what a {shape.n_layer}-layer model "
+                                  f"can capture (0..{shape.n_layer - 2})")
+        for il in sig.key_layers + sig.attention_layers:
+            if not 0 <= il < shape.n_layer:
+                raise ConfigError(f"policy {self.name!r}: layer {il} is beyond this {shape.n_layer}-layer model")
+        self.bound = sig
+        self.reset()
+        return sig
 
-    def attention_layers(self, n_layer: int) -> tuple[int, ...]:
-        """Layers whose attention weights are read when ``needs_attention`` (default: all)."""
-        return tuple(range(n_layer))
+    def signals(self, shape: ModelShape) -> Signals:
+        """The signals needed on a model of this shape (default: none; attention layers: all)."""
+        if self.needs_attention:
+            return Signals(attention_layers=tuple(range(shape.n_layer)))
+        return Signals()
 
+    # -- scoring ----------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget everything (new sequence)."""
 
@@ -63,9 +114,6 @@ class Policy:
     def score(self, positions: np.ndarray) -> np.ndarray:
         """Scores (N,) float64 of the live ``positions`` (N,) int64; higher = keep."""
         raise NotImplementedError
-
-    def describe(self) -> dict:
-        return {"policy": self.name}
 
 
 class PositionScores:
@@ -94,4 +142,12 @@ class PositionScores:
 
     def get(self, positions: np.ndarray) -> np.ndarray:
         self.ensure(int(positions.max()) + 1 if len(positions) else 0)
-        return self.values[positions]
+        return np.array(self.values[positions], dtype=np.float64)
+
+
+def check_int(owner: str, name: str, value, lo: int, hi: int | None = None) -> None:
+    """ConfigError unless ``value`` is an int in [lo, hi] (hi None: unbounded)."""
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if not ok or value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ConfigError(f"{owner}: {name} must be an integer {rng}, got {value!r}")

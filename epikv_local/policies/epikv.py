@@ -1,44 +1,76 @@
 """EPIKV: attention-free eviction by the rolling two-band z-score of the residual-stream change.
 
 Each decoded token t gets, once, the score s(t) = smooth(z_A(t) - z_B(t)) computed causally by
-:class:`epikv_local.scoring.StreamingScorer` from g of layers A and B (mapped to the model's depth by
-:meth:`ScoringConfig.layers_for_depth`). Formulas: docs/scoring.md.
+:class:`epikv_local.policies.scoring.StreamingScorer` from g of layers A and B. Formulas: docs/scoring.md.
 
 Signal read: g, the L2 norm of the change of a layer's output hidden state between consecutive tokens,
 captured by the patched llama.cpp build for the band layers only. It needs neither the keys nor the attention
 matrix, so flash attention stays on and the capture costs one small copy per band layer and decode.
 
-Registered variants (factories below, one ``name`` each): ``epikv`` (rolling z-score, two bands),
-``epikv_lag`` (robust median/MAD normalisation), ``epikv_raw`` (no normalisation), ``epikv_single``
-(band A only, ``layer_b=None``). The factories force their variant's setting onto any ``cfg`` passed in.
+Settings (dataclass fields): ``layers`` are this model's own layer indices, one (single band: s = smooth(z_A))
+or two (A, B); when None, ``ref_layers`` of a ``ref_depth``-layer model (the paper's 10, 21 of 32) are mapped
+by relative depth (:meth:`ScoringConfig.layers_for_depth`). The registered variants (``epikv_lag``,
+``epikv_raw``, ``epikv_single``) are named configurations of this one class (see the registry).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from ..scoring import ScoringConfig, StreamingScorer
-from .base import Observation, Policy, PositionScores
+from ..errors import ConfigError
+from .base import ModelShape, Observation, Policy, PositionScores, Signals
+from .scoring import ScoringConfig, StreamingScorer
 
 
+@dataclass
 class EpikvPolicy(Policy):
-    name = "epikv"
+    name: ClassVar[str] = "epikv"
+    calibratable: ClassVar[bool] = True
 
-    def __init__(self, cfg: ScoringConfig | None = None, name: str = "epikv"):
-        self.name = name
-        self.cfg = cfg or ScoringConfig()
-        self._layers: tuple[int, ...] | None = None
+    layers: tuple[int, ...] | None = None
+    window: int = 128
+    smooth: int = 4
+    normalization: str = "zscore"
+    min_history: int = 8
+    ref_layers: tuple[int, ...] = (10, 21)
+    ref_depth: int = 32
+
+    def __post_init__(self):
+        if self.layers is not None:
+            self.layers = self._check_layers("layers", self.layers)
+        self.ref_layers = self._check_layers("ref_layers", self.ref_layers)
+        self._config(self.ref_layers, self.ref_depth)  # validates window, smooth, normalization, min_history
         self._scorer: StreamingScorer | None = None
         self._scores = PositionScores()
+        super().__post_init__()
 
-    def layers(self, n_layer: int) -> tuple[int, ...]:
-        layers = self.cfg.layers_for_depth(n_layer)
-        if self._layers != layers:
-            self._layers = layers
-            self._scorer = StreamingScorer(self.cfg, layers)
-        return layers
+    def _check_layers(self, what: str, layers) -> tuple[int, ...]:
+        try:
+            t = tuple(int(x) for x in layers)
+        except (TypeError, ValueError):
+            raise ConfigError(f"epikv: {what} must be one or two layer indices, got {layers!r}") from None
+        if not 1 <= len(t) <= 2 or len(set(t)) != len(t) or min(t) < 0:
+            raise ConfigError(f"epikv: {what} must be one or two distinct layer indices >= 0, got {layers!r}")
+        return t
+
+    def _config(self, layers: tuple[int, ...], depth: int) -> ScoringConfig:
+        return ScoringConfig(layer_a=layers[0], layer_b=layers[1] if len(layers) > 1 else None, ref_depth=depth,
+                             window=self.window, smooth=self.smooth, normalization=self.normalization,
+                             min_history=min(self.min_history, self.window))
+
+    def scoring_config(self, n_layer: int) -> ScoringConfig:
+        """The scoring settings on an ``n_layer``-layer model, layers as that model's own indices."""
+        layers = self.layers or self._config(self.ref_layers, self.ref_depth).layers_for_depth(n_layer)
+        return self._config(layers, n_layer)
+
+    def signals(self, shape: ModelShape) -> Signals:
+        cfg = self.scoring_config(shape.n_layer)
+        layers = (cfg.layer_a,) if cfg.layer_b is None else (cfg.layer_a, cfg.layer_b)
+        self._scorer = StreamingScorer(cfg, layers)
+        return Signals(layers=layers)
 
     def reset(self) -> None:
         if self._scorer is not None:
@@ -47,28 +79,8 @@ class EpikvPolicy(Policy):
 
     def observe(self, obs: Observation) -> None:
         if self._scorer is None or obs.g is None:
-            raise RuntimeError("EpikvPolicy.observe without g: the session must capture layers() first")
+            raise RuntimeError("EpikvPolicy.observe without g: bind the policy and capture its layers first")
         self._scores.set(obs.positions, self._scorer.update(obs.g))
 
     def score(self, positions: np.ndarray) -> np.ndarray:
         return self._scores.get(positions)
-
-    def describe(self) -> dict:
-        c = self.cfg
-        return {"policy": self.name, "layers": list(self._layers or ()), "window": c.window,
-                "smooth": c.smooth, "normalization": c.normalization}
-
-
-def epikv_lag(cfg: ScoringConfig | None = None) -> EpikvPolicy:
-    """EPIKV with the robust median/MAD ("lag") normalisation."""
-    return EpikvPolicy(replace(cfg or ScoringConfig(), normalization="lag"), name="epikv_lag")
-
-
-def epikv_raw(cfg: ScoringConfig | None = None) -> EpikvPolicy:
-    """EPIKV on raw g (no normalisation)."""
-    return EpikvPolicy(replace(cfg or ScoringConfig(), normalization="raw"), name="epikv_raw")
-
-
-def epikv_single(cfg: ScoringConfig | None = None) -> EpikvPolicy:
-    """Single-band ablation: score = smoothed z of band A only."""
-    return EpikvPolicy(replace(cfg or ScoringConfig(), layer_b=None), name="epikv_single")

@@ -12,18 +12,23 @@ session refuses it otherwise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
 from ._attn import per_position
 from .base import Observation, Policy, PositionScores
 
 
+@dataclass
 class H2OPolicy(Policy):
-    name = "h2o"
-    needs_attention = True
+    name: ClassVar[str] = "h2o"
+    needs_attention: ClassVar[bool] = True
 
-    def __init__(self):
+    def __post_init__(self):
         self._scores = PositionScores()
+        super().__post_init__()
 
     def reset(self) -> None:
         self._scores.reset()

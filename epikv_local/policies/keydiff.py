@@ -18,25 +18,25 @@ Positions never observed score NaN (lowest), which cannot happen for live positi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
-from ._keys import obs_keys, spaced_layers
+from ._keys import KeyLayers, obs_keys
 from .base import Observation, Policy
 
 _EPS = 1e-12
 
 
-class KeyDiffPolicy(Policy):
-    name = "keydiff"
+@dataclass
+class KeyDiffPolicy(KeyLayers, Policy):
+    name: ClassVar[str] = "keydiff"
+    n_key_layers: int | None = 4
 
-    def __init__(self, n_key_layers: int | None = 4):
-        self.n_key_layers = n_key_layers
-        self._layers: tuple[int, ...] = ()
-        self.reset()
-
-    def key_layers(self, n_layer: int) -> tuple[int, ...]:
-        self._layers = spaced_layers(n_layer, self.n_key_layers)
-        return self._layers
+    def __post_init__(self):
+        self.check_key_layers()
+        super().__post_init__()
 
     def reset(self) -> None:
         self._pos = np.empty(0, dtype=np.int64)   # ascending stored positions
@@ -74,6 +74,3 @@ class KeyDiffPolicy(Policy):
         found = self._pos[idx_c] == positions
         out[found] = -cos[idx_c[found]]
         return out
-
-    def describe(self) -> dict:
-        return {"policy": self.name, "key_layers": list(self._layers)}

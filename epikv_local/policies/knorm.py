@@ -18,24 +18,29 @@ Key layers: all layers by default (``n_key_layers=None``); an integer picks that
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
-from ._keys import obs_keys, spaced_layers
+from ..errors import ConfigError
+from ._keys import KeyLayers, obs_keys
 from .base import Observation, Policy, PositionScores
 
 
-class KNormPolicy(Policy):
-    name = "knorm"
+@dataclass
+class KNormPolicy(KeyLayers, Policy):
+    name: ClassVar[str] = "knorm"
+    n_key_layers: int | None = None
+    n_head_kv: int | None = None
 
-    def __init__(self, n_key_layers: int | None = None, n_head_kv: int | None = None):
-        self.n_key_layers = n_key_layers
-        self.n_head_kv = n_head_kv
-        self._layers: tuple[int, ...] = ()
+    def __post_init__(self):
+        self.check_key_layers()
+        if self.n_head_kv is not None and (isinstance(self.n_head_kv, bool) or not isinstance(self.n_head_kv, int)
+                                           or self.n_head_kv < 1):
+            raise ConfigError(f"knorm: n_head_kv must be None or an integer >= 1, got {self.n_head_kv!r}")
         self._scores = PositionScores()
-
-    def key_layers(self, n_layer: int) -> tuple[int, ...]:
-        self._layers = spaced_layers(n_layer, self.n_key_layers)
-        return self._layers
+        super().__post_init__()
 
     def reset(self) -> None:
         self._scores.reset()
@@ -47,14 +52,11 @@ class KNormPolicy(Policy):
         if self.n_head_kv:
             T, L, d = k.shape
             if d % self.n_head_kv:
-                raise ValueError(f"key row of {d} floats does not split into {self.n_head_kv} heads")
+                raise ConfigError(f"knorm: a key row of {d} floats does not split into {self.n_head_kv} heads")
             norms = np.linalg.norm(k.reshape(T, L, self.n_head_kv, d // self.n_head_kv), axis=-1).mean(axis=(1, 2))
         else:
             norms = np.linalg.norm(k, axis=-1).mean(axis=1)
         self._scores.set(obs.positions, -norms)
 
     def score(self, positions: np.ndarray) -> np.ndarray:
-        return np.array(self._scores.get(positions), dtype=np.float64)
-
-    def describe(self) -> dict:
-        return {"policy": self.name, "key_layers": list(self._layers), "n_head_kv": self.n_head_kv}
+        return self._scores.get(positions)

@@ -17,29 +17,28 @@ chunks are stored. Default key layers: all (``n_key_layers=None``); an integer p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
-from ._keys import obs_keys, spaced_layers
-from .base import Observation, Policy, PositionScores
+from ._keys import KeyLayers, obs_keys
+from .base import Observation, Policy, PositionScores, check_int
 
 _EPS = 1e-6
 
 
-class LagKVPolicy(Policy):
-    name = "lagkv"
+@dataclass
+class LagKVPolicy(KeyLayers, Policy):
+    name: ClassVar[str] = "lagkv"
+    chunk: int = 16
+    n_key_layers: int | None = None
 
-    def __init__(self, chunk: int = 16, n_key_layers: int | None = None):
-        if chunk < 2:
-            raise ValueError(f"chunk must be >= 2, got {chunk}")
-        self.chunk = chunk
-        self.n_key_layers = n_key_layers
-        self._layers: tuple[int, ...] = ()
+    def __post_init__(self):
+        check_int("lagkv", "chunk", self.chunk, 2)
+        self.check_key_layers()
         self._scores = PositionScores()
-        self.reset()
-
-    def key_layers(self, n_layer: int) -> tuple[int, ...]:
-        self._layers = spaced_layers(n_layer, self.n_key_layers)
-        return self._layers
+        super().__post_init__()
 
     def reset(self) -> None:
         self._scores.reset()
@@ -73,6 +72,3 @@ class LagKVPolicy(Policy):
         s = np.array(self._scores.get(positions), dtype=np.float64)
         s[np.isnan(s)] = np.inf
         return s
-
-    def describe(self) -> dict:
-        return {"policy": self.name, "chunk": self.chunk, "key_layers": list(self._layers)}

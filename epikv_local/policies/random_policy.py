@@ -7,18 +7,23 @@ Signal read: none (only the positions of each decode), hence no capture cost at 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
-from .base import Observation, Policy, PositionScores
+from .base import Observation, Policy, PositionScores, check_int
 
 
+@dataclass
 class RandomPolicy(Policy):
-    name = "random"
+    name: ClassVar[str] = "random"
+    seed: int = 0
 
-    def __init__(self, seed: int = 0):
-        self.seed = seed
+    def __post_init__(self):
+        check_int("random", "seed", self.seed, 0, 2**63 - 1)
         self._scores = PositionScores()
-        self.reset()
+        super().__post_init__()
 
     def reset(self) -> None:
         self._rng = np.random.default_rng(self.seed)
@@ -29,7 +34,4 @@ class RandomPolicy(Policy):
             self._scores.set(obs.positions, self._rng.random(len(obs.positions)))
 
     def score(self, positions: np.ndarray) -> np.ndarray:
-        return np.array(self._scores.get(positions), dtype=np.float64)
-
-    def describe(self) -> dict:
-        return {"policy": self.name, "seed": self.seed}
+        return self._scores.get(positions)

@@ -13,11 +13,13 @@ heads); flash attention never materialises it, so this policy requires flash att
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from ._attn import per_position
-from .base import Observation, Policy
+from .base import Observation, Policy, check_int
 
 
 def max_filter_1d(x: np.ndarray, kernel: int) -> np.ndarray:
@@ -30,16 +32,17 @@ def max_filter_1d(x: np.ndarray, kernel: int) -> np.ndarray:
     return np.lib.stride_tricks.sliding_window_view(padded, kernel).max(axis=1)
 
 
+@dataclass
 class SnapKVPolicy(Policy):
-    name = "snapkv"
-    needs_attention = True
+    name: ClassVar[str] = "snapkv"
+    needs_attention: ClassVar[bool] = True
+    window: int = 16
+    kernel: int = 5
 
-    def __init__(self, window: int = 16, kernel: int = 5):
-        if window < 1 or kernel < 1:
-            raise ValueError(f"window and kernel must be >= 1, got {window}, {kernel}")
-        self.window = window
-        self.kernel = kernel
-        self.reset()
+    def __post_init__(self):
+        check_int("snapkv", "window", self.window, 1)
+        check_int("snapkv", "kernel", self.kernel, 1)
+        super().__post_init__()
 
     def reset(self) -> None:
         self._rows: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=self.window)
@@ -62,6 +65,3 @@ class SnapKVPolicy(Policy):
         out = np.empty(len(positions))
         out[order] = pooled
         return out
-
-    def describe(self) -> dict:
-        return {"policy": self.name, "window": self.window, "kernel": self.kernel}

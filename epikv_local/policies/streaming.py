@@ -6,13 +6,17 @@ are protected by the engine's ``n_sink``. Signal read: none (positions only), so
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
 from .base import Policy
 
 
+@dataclass
 class StreamingLLM(Policy):
-    name = "streaming"
+    name: ClassVar[str] = "streaming"
 
     def score(self, positions: np.ndarray) -> np.ndarray:
         return np.asarray(positions, dtype=np.float64)

@@ -10,18 +10,19 @@ this policy requires flash attention off (``needs_attention``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
 from ._attn import per_position
 from .base import Observation, Policy
 
 
+@dataclass
 class TOVAPolicy(Policy):
-    name = "tova"
-    needs_attention = True
-
-    def __init__(self):
-        self.reset()
+    name: ClassVar[str] = "tova"
+    needs_attention: ClassVar[bool] = True
 
     def reset(self) -> None:
         # only the newest query's row matters: keep it (sorted by position) instead of a per-position history

@@ -18,134 +18,44 @@ this model's own indices (``ref_depth = n_layer``), so only those two layers are
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import itertools
 import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from .default_model import cache_dir
-from .eviction import BudgetConfig
-from .scoring import ScoringConfig
-
-CALIBRATION_VERSION = 1
-DEFAULT_RECENT_FRACTION = 0.5
-
-
-# -- model identity -----------------------------------------------------------------------------------------
-def calibration_dir() -> Path:
-    return cache_dir() / "calibration"
-
-
-def model_sha256(path: str | os.PathLike) -> str:
-    """sha256 of the whole model file, cached by (path, size, mtime) in ``<cache>/model_hashes.json``."""
-    p = Path(path).expanduser().resolve()
-    st = p.stat()
-    key = f"{p}|{st.st_size}|{st.st_mtime_ns}"
-    store = cache_dir() / "model_hashes.json"
-    try:
-        known = json.loads(store.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return known[key]
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    digest = h.hexdigest()
-    known[key] = digest
-    try:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        tmp = store.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(store)
-    except OSError:
-        pass
-    return digest
-
-
-def calibration_path(model_path: str | os.PathLike) -> Path:
-    return calibration_dir() / f"{model_sha256(model_path)}.json"
-
-
-# -- result ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CalibrationResult:
-    """Chosen EPIKV settings for one model file. Layers are this model's indices (0 .. n_layer - 2)."""
-
-    model_sha256: str
-    arch: str
-    n_layer: int
-    layer_a: int
-    layer_b: int | None
-    window: int
-    recent_fraction: float
-    delta_nll: float            # mean dev ΔNLL of the chosen settings (over traces x budgets)
-    baseline_delta_nll: float   # same for the default settings
-    path: str = ""
-    extra: dict = field(default_factory=dict, compare=False)
-
-    def scoring_config(self, **overrides) -> ScoringConfig:
-        kw = dict(layer_a=self.layer_a, layer_b=self.layer_b, ref_depth=self.n_layer, window=self.window)
-        kw.update(overrides)
-        return ScoringConfig(**kw)
-
-    def budget_config(self, kv_budget: int, **kw) -> BudgetConfig:
-        return BudgetConfig(kv_budget=kv_budget, recent_fraction=self.recent_fraction, **kw)
-
-
-def load_file(path: str | os.PathLike) -> CalibrationResult:
-    d = json.loads(Path(path).read_text())
-    ch = d["chosen"]
-    return CalibrationResult(model_sha256=d["model_sha256"], arch=d["arch"], n_layer=int(d["n_layer"]),
-                             layer_a=int(ch["layer_a"]), layer_b=None if ch["layer_b"] is None else int(ch["layer_b"]),
-                             window=int(ch["window"]), recent_fraction=float(ch["recent_fraction"]),
-                             delta_nll=float(d["chosen_delta_nll"]), baseline_delta_nll=float(d["baseline_delta_nll"]),
-                             path=str(path), extra={k: d.get(k) for k in ("created", "cost_seconds", "traces")})
-
-
-#: calibrations shipped with the package (the default model's, measured on the dev traces; see docs/calibration.md)
-PACKAGED_DIR = Path(__file__).resolve().parent / "calibrations"
-
-
-def load_for_model(model_path: str | os.PathLike) -> CalibrationResult | None:
-    """The calibration of this model file (matched by content hash): the user's own (cache) first, then one
-    shipped with the package; None when there is none."""
-    p = calibration_path(model_path)
-    if not p.is_file():
-        p = PACKAGED_DIR / p.name
-        if not p.is_file():
-            return None
-    return load_file(p)
-
-
-def scoring_config_for(model_path: str | os.PathLike, **overrides) -> ScoringConfig:
-    """ScoringConfig from the model's calibration if present, else the documented defaults."""
-    cal = load_for_model(model_path)
-    return cal.scoring_config(**overrides) if cal else ScoringConfig(**overrides)
-
-
-def recent_fraction_for(model_path: str | os.PathLike) -> float:
-    cal = load_for_model(model_path)
-    return cal.recent_fraction if cal else DEFAULT_RECENT_FRACTION
-
+from ..api.calibration import (
+    CALIBRATION_VERSION,
+    CalibrationResult,
+    calibration_dir,
+    load_file,
+    model_sha256,
+)
+from ..engine.budget import DEFAULT_RECENT_FRACTION, BudgetConfig
+from ..engine.handles import Model
+from ..errors import DataError
+from ..policies.epikv import EpikvPolicy
+from ..policies.scoring import ScoringConfig
+from .anatomy import capture_pass, layer_z, rank_layers
+from .io import write_atomic
+from .fidelity import StreamingComparison, reference_pass, teacher_forced_pass
+from .labels import LabelSettings, label_trace, labels_by_trace, read_labels, run_labels
+from .stats import signal_stats
+from .traces import load_traces
 
 # -- fidelity of one configuration ------------------------------------------------------------------------------
 def policy_delta_nll(model, tokens: list[int], ref, cfg: ScoringConfig, budget: BudgetConfig, chunk: int,
                      n_threads: int | None = None) -> float:
     """Mean ΔNLL (positions t >= kv_budget) of an EPIKV pass with ``cfg`` against the reference ``ref``."""
-    from .fidelity import StreamingComparison, teacher_forced_pass
-    from .policies.epikv import EpikvPolicy
-
     cmp = StreamingComparison(ref.logp, ref.eval_start, tokens)
-    teacher_forced_pass(model, tokens, EpikvPolicy(cfg), budget, chunk, ref.flash_attn, n_threads=n_threads,
+    layers = (cfg.layer_a,) if cfg.layer_b is None else (cfg.layer_a, cfg.layer_b)
+    policy = EpikvPolicy(layers=layers, window=cfg.window)
+    teacher_forced_pass(model, tokens, policy, budget, chunk, ref.flash_attn, n_threads=n_threads,
                         eval_start=budget.kv_budget, on_chunk=cmp)
     return cmp.means()["delta_nll"]
 
@@ -164,6 +74,7 @@ class Grid:
     label_traces: int = 3
     label_horizon: int = 32
     label_stride: int = 16
+    anatomy_window: int = ScoringConfig.window  # rolling z-score window of the layer ranking
 
 
 QUICK_GRID = Grid(budgets=(64,), windows=(64,), recent=(0.5,), n_pos=2, n_neg=1, n_traces=1, max_tokens=160,
@@ -179,12 +90,6 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
               out: str | os.PathLike | None = None,
               log: Callable[[str], None] | None = None) -> CalibrationResult:
     """Run the calibration on ``traces_path`` (dev traces!) and write the JSON. Returns the result."""
-    from .anatomy import capture_pass, rank_layers, signal_stats
-    from .fidelity import load_traces, reference_pass
-    from .labels import LabelSettings, label_trace, labels_by_trace, read_labels, run_labels
-    from .model import Model
-    from .scoring import rolling_zscore
-
     log = log or (lambda m: print(f"calibrate: {m}", file=sys.stderr, flush=True))
     t_start = time.perf_counter()
     model_path = Path(model_path)
@@ -205,7 +110,7 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
             lab_traces = load_traces(traces_path, model, s.max_tokens, n_traces=grid.label_traces,
                                      min_tokens=s.max_tokens, interleave_sources=True)
             if not lab_traces:
-                raise ValueError(f"no trace in {traces_path} has {s.max_tokens} tokens")
+                raise DataError(f"no trace in {traces_path} has {s.max_tokens} tokens")
             if labels_path is not None:
                 run_labels(model, model_path, traces_path, labels_path, s, n_traces=grid.label_traces,
                            n_threads=n_threads, log=log)
@@ -221,7 +126,7 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
                 continue
             cap = capture_pass(model, toks, n_threads=n_threads, keys=False)
             pos = np.array(sorted(lab[tid]))
-            z = np.stack([rolling_zscore(cap["g"][:, j], 128) for j in range(n_layer - 1)], axis=1)
+            z = layer_z(cap["g"], grid.anatomy_window)
             zs.append(z[pos])
             ys.append(np.array([lab[tid][p]["label"] for p in pos]))
             grp.append(np.array([lab[tid][p]["checkpoint"] for p in pos]) + 1_000_000 * i)
@@ -237,7 +142,7 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
         traces = load_traces(traces_path, model, grid.max_tokens, n_traces=grid.n_traces,
                              min_tokens=grid.max_tokens, interleave_sources=True)
         if not traces:
-            raise ValueError(f"no trace in {traces_path} has {grid.max_tokens} tokens")
+            raise DataError(f"no trace in {traces_path} has {grid.max_tokens} tokens")
         budgets = [b for b in grid.budgets if b < grid.max_tokens - 1]
         t0 = time.perf_counter()
         refs = [reference_pass(model, toks, grid.chunk, True, eval_start=min(budgets), n_threads=n_threads)
@@ -301,10 +206,7 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
                          "n_configs": len(results), "n_passes": len(results) * len(traces) * len(budgets)},
     }
     path = Path(out) if out else calibration_dir() / f"{sha}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(doc, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
     log(f"chosen layers {best['layer_a']},{best['layer_b']} window {best['window']} recent {best['recent_fraction']}: "
         f"dev ΔNLL {best['delta_nll']:+.4f} vs default {baseline:+.4f}; {cost:.0f}s; wrote {path}")
     return load_file(path)

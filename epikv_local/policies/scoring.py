@@ -17,7 +17,7 @@ Definitions (see ``docs/scoring.md`` for the full write-up):
   (or ``s = smooth(z_A)`` for the single-band ablation).  Higher score = keep;
   the lowest scores are evicted first (see :mod:`epikv_local.selection`).
 
-This module never imports llama_cpp or any native code.
+This module imports numpy only (and the package's exception classes), never llama_cpp or native code.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
+
+from ..errors import ConfigError
 
 __all__ = [
     "NORMALIZATIONS",
@@ -60,16 +62,16 @@ def _is_real(x) -> bool:
 
 def _check_window_params(window, min_history, eps, z_clip) -> None:
     if not _is_int(window) or window < 2:
-        raise ValueError(f"window must be an int >= 2, got {window!r}")
+        raise ConfigError(f"window must be an int >= 2, got {window!r}")
     if not _is_int(min_history) or min_history < 2 or min_history > window:
-        raise ValueError(
+        raise ConfigError(
             f"min_history must be an int with 2 <= min_history <= window ({window}), "
             f"got {min_history!r}"
         )
     if not _is_real(eps) or not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+        raise ConfigError(f"eps must be a finite number > 0, got {eps!r}")
     if not _is_real(z_clip) or math.isnan(z_clip) or z_clip <= 0:
-        raise ValueError(f"z_clip must be a number > 0, got {z_clip!r}")
+        raise ConfigError(f"z_clip must be a number > 0, got {z_clip!r}")
 
 
 @dataclass(frozen=True)
@@ -101,30 +103,26 @@ class ScoringConfig:
 
     def __post_init__(self) -> None:
         if not _is_int(self.layer_a) or self.layer_a < 0:
-            raise ValueError(f"layer_a must be an int >= 0, got {self.layer_a!r}")
+            raise ConfigError(f"layer_a must be an int >= 0, got {self.layer_a!r}")
         if self.layer_b is not None:
             if not _is_int(self.layer_b) or self.layer_b < 0:
-                raise ValueError(
+                raise ConfigError(
                     f"layer_b must be None or an int >= 0, got {self.layer_b!r}"
                 )
             if self.layer_b == self.layer_a:
-                raise ValueError(
+                raise ConfigError(
                     f"layer_b must differ from layer_a, got layer_b={self.layer_b!r}"
                 )
         if not _is_int(self.ref_depth) or self.ref_depth < 1:
-            raise ValueError(f"ref_depth must be an int >= 1, got {self.ref_depth!r}")
+            raise ConfigError(f"ref_depth must be an int >= 1, got {self.ref_depth!r}")
         _check_window_params(self.window, self.min_history, self.eps, self.z_clip)
         if not _is_int(self.smooth) or self.smooth < 1:
-            raise ValueError(f"smooth must be an int >= 1, got {self.smooth!r}")
+            raise ConfigError(f"smooth must be an int >= 1, got {self.smooth!r}")
         if self.normalization not in NORMALIZATIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"normalization must be one of {NORMALIZATIONS}, "
                 f"got {self.normalization!r}"
             )
-
-    @property
-    def single_band(self) -> bool:
-        return self.layer_b is None
 
     def layers_for_depth(self, n_layer: int) -> tuple[int, ...]:
         """Map layer_a/layer_b from ``ref_depth`` to a model with ``n_layer`` layers.
@@ -136,7 +134,7 @@ class ScoringConfig:
         ValueError when ``n_layer < 2`` or when the two mapped layers collide.
         """
         if not _is_int(n_layer) or n_layer < 2:
-            raise ValueError(f"n_layer must be an int >= 2, got {n_layer!r}")
+            raise ConfigError(f"n_layer must be an int >= 2, got {n_layer!r}")
 
         def _map(layer: int) -> int:
             mapped = int(math.floor(layer * n_layer / self.ref_depth + 0.5))
@@ -147,7 +145,7 @@ class ScoringConfig:
             return (a,)
         b = _map(self.layer_b)
         if a == b:
-            raise ValueError(
+            raise ConfigError(
                 f"layers collide for n_layer={n_layer}: layer_a={self.layer_a} and "
                 f"layer_b={self.layer_b} both map to layer {a}"
             )
@@ -164,7 +162,7 @@ def diff_norms(h: np.ndarray, prev: np.ndarray | None) -> np.ndarray:
     """
     h = np.asarray(h)
     if h.ndim != 2:
-        raise ValueError(f"h must have shape (T, d), got shape {h.shape}")
+        raise ConfigError(f"h must have shape (T, d), got shape {h.shape}")
     T, d = h.shape
     h64 = h.astype(np.float64, copy=False)
     out = np.empty(T, dtype=np.float64)
@@ -175,7 +173,7 @@ def diff_norms(h: np.ndarray, prev: np.ndarray | None) -> np.ndarray:
     else:
         prev = np.asarray(prev)
         if prev.shape != (d,):
-            raise ValueError(f"prev must have shape ({d},) to match h, got {prev.shape}")
+            raise ConfigError(f"prev must have shape ({d},) to match h, got {prev.shape}")
         out[0] = np.linalg.norm(h64[0] - prev.astype(np.float64, copy=False))
     if T > 1:
         out[1:] = np.linalg.norm(np.diff(h64, axis=0), axis=1)
@@ -185,7 +183,7 @@ def diff_norms(h: np.ndarray, prev: np.ndarray | None) -> np.ndarray:
 def _as_1d_float(g, name: str = "g") -> np.ndarray:
     g = np.asarray(g, dtype=np.float64)
     if g.ndim != 1:
-        raise ValueError(f"{name} must have shape (T,), got shape {g.shape}")
+        raise ConfigError(f"{name} must have shape (T,), got shape {g.shape}")
     return g
 
 
@@ -321,7 +319,7 @@ def causal_moving_average(x: np.ndarray, k: int) -> np.ndarray:
     outputs whose window contains it.
     """
     if not _is_int(k) or k < 1:
-        raise ValueError(f"k must be an int >= 1, got {k!r}")
+        raise ConfigError(f"k must be an int >= 1, got {k!r}")
     x = _as_1d_float(x, "x")
     ext = np.concatenate([np.zeros(k - 1), x])
     return _cma_ext(ext, k, 0)
@@ -349,11 +347,11 @@ def _check_layers(cfg: ScoringConfig, layers: Sequence[int]) -> tuple[int, ...]:
     layers = tuple(int(l) for l in layers)
     expected = 1 if cfg.layer_b is None else 2
     if len(layers) != expected:
-        raise ValueError(
+        raise ConfigError(
             f"layers must have {expected} entr{'y' if expected == 1 else 'ies'} "
             f"for this config (layer_b={cfg.layer_b!r}), got {layers!r}")
     if len(set(layers)) != len(layers):
-        raise ValueError(f"layers must be distinct, got {layers!r}")
+        raise ConfigError(f"layers must be distinct, got {layers!r}")
     return layers
 
 
@@ -372,19 +370,19 @@ def epikv_scores(g_by_layer: Mapping[int, np.ndarray] | np.ndarray,
     if isinstance(g_by_layer, Mapping):
         missing = [l for l in layers if l not in g_by_layer]
         if missing:
-            raise ValueError(f"g_by_layer lacks layers {missing}")
+            raise ConfigError(f"g_by_layer lacks layers {missing}")
         cols = [_as_1d_float(g_by_layer[l], f"g_by_layer[{l}]") for l in layers]
     else:
         arr = np.asarray(g_by_layer, dtype=np.float64)
         if arr.ndim == 1 and len(layers) == 1:
             arr = arr[:, None]
         if arr.ndim != 2 or arr.shape[1] != len(layers):
-            raise ValueError(
+            raise ConfigError(
                 f"g_by_layer array must have shape (T, {len(layers)}), got {arr.shape}")
         cols = [arr[:, j] for j in range(len(layers))]
     T = cols[0].shape[0]
     if any(c.shape[0] != T for c in cols):
-        raise ValueError(f"per-layer g lengths differ: {[c.shape[0] for c in cols]}")
+        raise ConfigError(f"per-layer g lengths differ: {[c.shape[0] for c in cols]}")
     norm = [normalize(c, cfg) for c in cols]
     diff = norm[0] if len(norm) == 1 else norm[0] - norm[1]
     return _cma_ext(np.concatenate([np.zeros(cfg.smooth - 1), diff]), cfg.smooth, 0)
@@ -453,7 +451,7 @@ class StreamingScorer:
         g_new = np.asarray(g_new, dtype=np.float64)
         L = len(self.layers)
         if g_new.ndim != 2 or g_new.shape[1] != L:
-            raise ValueError(f"g_new must have shape (T, {L}), got {g_new.shape}")
+            raise ConfigError(f"g_new must have shape (T, {L}), got {g_new.shape}")
         T = g_new.shape[0]
         if T == 0:
             return np.empty(0, dtype=np.float64)

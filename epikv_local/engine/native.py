@@ -5,7 +5,8 @@ Two libraries are bound, both built by this package's CMake into ``epikv_local/l
 * ``libllama`` (patched llama.cpp). The stock API is used through llama-cpp-python's ctypes module
   (``llama_cpp``), which is made to load *this* library through ``LLAMA_CPP_LIB_PATH``. The functions that
   our patches add to ``llama.h`` are declared below with cffi, mirroring the header (see ``patches/``).
-* ``libepikv_capture`` (``native/epikv_capture.h``): the eval-callback capture route and graph probe.
+* ``libepikv_capture`` (``native/epikv_capture.h``): the eval-callback capture route, graph probe and
+  attention readback.
 
 Nothing is loaded at import: :func:`load` loads once and returns a :class:`Native` handle. C return codes
 become :class:`NativeError` here, with llama.cpp's last error lines attached.
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import cffi
+
+from ..errors import NativeError
 
 # --- declarations: mirror include/llama.h (patched) and native/epikv_capture.h ---------------------------
 LLAMA_CDEF = """
@@ -63,21 +66,19 @@ const char * epikv_capture_probe_text(const epikv_capture * cap);
 void epikv_diff_norms(const float * rows, int32_t n_rows, int32_t n_embd, float * prev, int32_t has_prev, float * out);
 """
 
+# epikv_capture mode bits (native/epikv_capture.h)
+MODE_IDLE, MODE_CAPTURE, MODE_PROBE, MODE_ATTN = 0, 1, 2, 4
 # llama_memory_seq_rm_pos / llama_memory_seq_cell_pos return codes (patches/0002)
 SEQ_RM_POS_UNSUPPORTED = -1
 SEQ_RM_POS_BAD_ARGS = -2
 # llama_set_layer_capture kinds and return codes
-CAPTURE_OUT = 0
-CAPTURE_K = 1
+CAPTURE_OUT = 0   # LLAMA_LAYER_CAPTURE_OUT: the layer's output hidden state ("l_out-<il>")
+CAPTURE_K = 1     # LLAMA_LAYER_CAPTURE_K: the layer's keys after RoPE ("Kcur-<il>")
 LAYER_CAPTURE_BAD_LAYER = -1
 LAYER_CAPTURE_LAST_LAYER = -2
-# llama_decode return codes (llama.h)
+# llama_decode return codes (llama.h: 0 ok, 1 no KV slot, 2 aborted, -1 invalid batch, < -1 error)
 DECODE_NO_KV_SLOT = 1
 DECODE_ABORTED = 2
-
-
-class NativeError(RuntimeError):
-    """A native call failed; the message names the call and includes llama.cpp's last error lines."""
 
 
 def _lib_names(stem: str) -> list[str]:

@@ -31,7 +31,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .model import Context, Model
+from ..engine.handles import Context, Model
+from ..errors import ConfigError, DataError, NativeError
+from .io import read_jsonl
+from .stats import nll_rows
+from .traces import load_traces
 
 LABELS_VERSION = 1
 
@@ -51,15 +55,15 @@ class LabelSettings:
     def __post_init__(self):
         for k in ("max_tokens", "horizon", "delay", "stride"):
             if not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
-                raise ValueError(f"{k} must be an integer >= 1, got {getattr(self, k)!r}")
+                raise ConfigError(f"{k} must be an integer >= 1, got {getattr(self, k)!r}")
         if self.delay < 2:
             # llama.cpp requires a sequence's new tokens to follow its last stored position: the newest
             # token of the prefix (D = 1) cannot be removed before decoding the horizon
-            raise ValueError(f"delay must be >= 2 (the newest prefix token cannot be removed), got {self.delay}")
+            raise ConfigError(f"delay must be >= 2 (the newest prefix token cannot be removed), got {self.delay}")
         if self.min_pos < 0:
-            raise ValueError(f"min_pos must be >= 0, got {self.min_pos}")
+            raise ConfigError(f"min_pos must be >= 0, got {self.min_pos}")
         if self.max_tokens < self.horizon + self.stride + 2:
-            raise ValueError(f"max_tokens {self.max_tokens} is too short for horizon {self.horizon} + stride "
+            raise ConfigError(f"max_tokens {self.max_tokens} is too short for horizon {self.horizon} + stride "
                              f"{self.stride}")
 
     def candidates(self, c: int) -> range:
@@ -70,14 +74,6 @@ class LabelSettings:
         """Checkpoints c (multiples of stride) whose horizon fits: c + horizon <= n_tokens - 1."""
         last = n_tokens - 1 - self.horizon
         return [c for c in range(self.stride, last + 1, self.stride) if len(self.candidates(c))]
-
-
-def nll_rows(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """-log softmax(logits)[target] per row: logits (k, V) float32, targets (k,) -> (k,) float64."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = x.max(axis=1)
-    lse = m + np.log(np.exp(x - m[:, None]).sum(axis=1))
-    return lse - x[np.arange(len(targets)), np.asarray(targets, dtype=np.int64)]
 
 
 class _Brancher:
@@ -109,7 +105,7 @@ class _Brancher:
         try:
             if remove is not None:
                 if ctx.seq_rm_positions(np.array([remove]), seq_id=1) != 1:
-                    raise RuntimeError(f"could not remove position {remove} from the branch")
+                    raise NativeError(f"could not remove position {remove} from the branch")
             ctx.decode(tokens[c:c + W], np.arange(c, c + W), logits_all=True, seq_id=1)
             for i in range(W):
                 self.buf[i] = ctx.logits(i)
@@ -162,15 +158,11 @@ def label_trace(model: Model, trace_id: str, tokens: list[int], s: LabelSettings
 def read_labels(path: str | Path) -> tuple[dict | None, list[dict]]:
     """(header or None, label rows) of a labels JSONL file (control rows are included, typed)."""
     header, rows = None, []
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if r.get("type") == "header":
-                header = header or r
-            else:
-                rows.append(r)
+    for _, r in read_jsonl(path, "labels file"):
+        if r.get("type") == "header":
+            header = header or r
+        else:
+            rows.append(r)
     return header, rows
 
 
@@ -187,8 +179,6 @@ def run_labels(model: Model, model_path: Path, traces_path: str | Path, out: str
                n_traces: int | None = 4, n_threads: int | None = None, control: bool = False,
                log: Callable[[str], None] | None = None) -> dict:
     """Label ``n_traces`` traces of a JSONL file into ``out`` (resuming). Returns cost statistics."""
-    from .fidelity import load_traces
-
     log = log or (lambda m: print(f"labels: {m}", file=sys.stderr, flush=True))
     out = Path(out)
     header = make_header(model_path, traces_path, s, n_traces)
@@ -198,7 +188,7 @@ def run_labels(model: Model, model_path: Path, traces_path: str | Path, out: str
         if old is not None:
             diff = [k for k in _SETTING_KEYS if old.get(k) != header.get(k)]
             if diff:
-                raise ValueError(f"{out} was written with other settings ({', '.join(diff)}); "
+                raise DataError(f"{out} was written with other settings ({', '.join(diff)}); "
                                  "use another --out file")
         for r in rows:
             if r.get("type") == "label":
@@ -210,7 +200,7 @@ def run_labels(model: Model, model_path: Path, traces_path: str | Path, out: str
     traces = load_traces(traces_path, model, s.max_tokens, n_traces=n_traces, min_tokens=s.max_tokens,
                          interleave_sources=True)
     if not traces:
-        raise ValueError(f"no trace in {traces_path} has {s.max_tokens} tokens")
+        raise DataError(f"no trace in {traces_path} has {s.max_tokens} tokens")
     total_s, total_n = 0.0, 0
     with open(out, "a") as f:
         if write_header:

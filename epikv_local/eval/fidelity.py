@@ -22,82 +22,23 @@ computed with flash attention off as well (:func:`evaluate_trace` groups passes 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 
-from .eviction import BudgetConfig
-from .model import Model
-from .policies import REGISTRY, Policy, make_policy
-from .session import Session, SessionConfig
+from ..engine.budget import BudgetConfig
+from ..engine.handles import Model
+from ..engine.session import Session, SessionConfig
+from ..errors import ConfigError
+from ..policies import Policy, PolicySpec, make_policy, policy_spec
+from .stats import bootstrap_ci, log_softmax
 
 METRICS = ("nll", "nll_ref", "delta_nll", "top1_agreement", "kl")
 
 
-# -- data ---------------------------------------------------------------------------------------------------------
-def trace_text(record: dict) -> str:
-    """The text evaluated for one trace record: ``problem + "\\n\\n" + trace``."""
-    return f"{record['problem']}\n\n{record['trace']}"
-
-
-def load_traces(path: str | Path, model: Model, max_tokens: int, n_traces: int | None = None,
-                min_tokens: int | None = None, interleave_sources: bool = False) -> list[tuple[str, list[int]]]:
-    """Read a JSONL trace file and tokenize each record's ``problem + "\\n\\n" + trace`` with ``model``.
-
-    Tokens are truncated to ``max_tokens``; records with fewer than ``min_tokens`` tokens (default:
-    ``max_tokens``, i.e. only traces long enough to fill the window) are skipped. ``interleave_sources``
-    takes the records round-robin over their ``model`` field (so a few traces cover every trace generator)
-    instead of file order. Returns up to ``n_traces`` ``(id, tokens)`` pairs.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"trace file not found: {path}")
-    if max_tokens < 2:
-        raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
-    need = max_tokens if min_tokens is None else min_tokens
-    records = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg})") from None
-            if "problem" not in rec or "trace" not in rec:
-                raise ValueError(f"{path}:{i + 1}: record without 'problem' and 'trace' fields")
-            records.append(rec)
-    if interleave_sources:
-        groups: dict[str, list[dict]] = {}
-        for rec in records:
-            groups.setdefault(str(rec.get("model", "")), []).append(rec)
-        queues = list(groups.values())
-        records = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
-    out: list[tuple[str, list[int]]] = []
-    for i, rec in enumerate(records):
-        if n_traces is not None and len(out) >= n_traces:
-            break
-        toks = model.tokenize(trace_text(rec))[:max_tokens]
-        if len(toks) < need:
-            continue
-        out.append((str(rec.get("id", f"{path.name}:{i}")), toks))
-    return out
-
-
 # -- log-probs and metrics ----------------------------------------------------------------------------------------
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax of (..., V) logits: float64 max-shifted log-sum-exp, returned as float32."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    z = x - m
-    lse = np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    return (z - lse).astype(np.float32)
-
-
 def position_metrics(ref_logp: np.ndarray, ev_logp: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
     """Per-position metrics of evicted vs full log-probs, both (N, V); targets (N,) the true next tokens.
 
@@ -135,7 +76,7 @@ class StreamingComparison:
     def __call__(self, positions: np.ndarray, logp: np.ndarray) -> None:
         rows = positions - self.ref_start
         if len(rows) and (rows[0] < 0 or rows[-1] >= len(self.ref)):
-            raise ValueError(f"positions {positions[0]}..{positions[-1]} are outside the reference")
+            raise ConfigError(f"positions {positions[0]}..{positions[-1]} are outside the reference")
         m = position_metrics(self.ref[rows], logp, self.tokens[positions + 1])
         for k in METRICS:
             self.sums[k] += float(m[k].sum())
@@ -145,25 +86,6 @@ class StreamingComparison:
         if self.n == 0:
             return {k: float("nan") for k in METRICS}
         return {k: self.sums[k] / self.n for k in METRICS}
-
-
-def bootstrap_ci(values: Iterable[float], n_resamples: int = 1000, seed: int = 0,
-                 level: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): the mean of ``values`` and a percentile bootstrap CI (resampling the values)."""
-    v = np.asarray(list(values), dtype=np.float64)
-    if v.size == 0:
-        return float("nan"), float("nan"), float("nan")
-    mean = float(v.mean())
-    if v.size == 1:
-        return mean, mean, mean
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, v.size, size=(n_resamples, v.size))
-    boot = v[idx].mean(axis=1)
-    a = (1.0 - level) / 2.0
-    lo, hi = np.quantile(boot, [a, 1.0 - a])
-    # the percentile interval of the resampled means contains the sample mean except in degenerate float
-    # cases; widen to it so the reported interval always brackets the point estimate
-    return mean, float(min(lo, mean)), float(max(hi, mean))
 
 
 # -- passes ---------------------------------------------------------------------------------------------------------
@@ -184,13 +106,6 @@ class PassResult:
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
-def policy_needs_attention(name: str) -> bool:
-    """Whether the registered policy ``name`` reads the attention matrix (so needs flash attention off)."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(REGISTRY))}")
-    return bool(getattr(make_policy(name), "needs_attention", False))
-
-
 def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str | Policy, budget_cfg: BudgetConfig, chunk: int,
                         flash_attn: bool, n_threads: int | None = None, eval_start: int | None = None,
                         on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None) -> PassResult:
@@ -202,13 +117,13 @@ def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str | Poli
     kept; without it the log-probs are returned in ``PassResult.logp`` ((n_eval, V) float32).
     """
     if len(tokens) < 2:
-        raise ValueError("a trace needs at least 2 tokens")
+        raise ConfigError("a trace needs at least 2 tokens")
     if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
+        raise ConfigError(f"chunk must be >= 1, got {chunk}")
     start = budget_cfg.kv_budget if eval_start is None else eval_start
     n_in = len(tokens) - 1
     n_eval = max(0, n_in - start)
-    policy = make_policy(policy_name) if isinstance(policy_name, str) else policy_name
+    policy = policy_name if isinstance(policy_name, Policy) else make_policy(policy_name)
     policy_name = policy.name
     cfg = SessionConfig(n_batch=chunk, n_threads=n_threads, flash_attn=flash_attn, verify_flash_attn=True)
     n_vocab = model.info.n_vocab
@@ -225,18 +140,18 @@ def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str | Poli
                 continue
             j0 = max(0, start - i)  # first evaluated row of this chunk
             for j in range(j0, k):
-                buf[j - j0] = session.ctx.logits(j)
+                buf[j - j0] = session.logits(j)
             logp = log_softmax(buf[: k - j0])
             positions = np.arange(i + j0, i + k, dtype=np.int64)
             if on_chunk is not None:
                 on_chunk(positions, logp)
             else:
                 out[i + j0 - start: i + k - start] = logp
-        stats = session.engine.stats
+        st = session.stats()
         res = PassResult(policy=policy_name, kv_budget=budget_cfg.kv_budget, flash_attn=bool(flash_attn),
                          eval_start=start, n_eval=n_eval, seconds=time.perf_counter() - t0,
-                         decode_seconds=session.decode_seconds, n_evicted=stats.n_evicted,
-                         max_live=stats.max_live, logp=out,
+                         decode_seconds=st.decode_seconds, n_evicted=st.n_evicted,
+                         max_live=st.max_live, logp=out,
                          positions=np.arange(start, start + n_eval, dtype=np.int64))
     return res
 
@@ -249,16 +164,17 @@ def reference_pass(model: Model, tokens: list[int], chunk: int, flash_attn: bool
                                eval_start=eval_start)
 
 
-def compare_pass(model: Model, tokens: list[int], ref: PassResult, policy_name: str, budget_cfg: BudgetConfig,
+def compare_pass(model: Model, tokens: list[int], ref: PassResult, policy_name: "str | PolicySpec",
+                 budget_cfg: BudgetConfig,
                  chunk: int, n_threads: int | None = None, eval_start: int | None = None) -> dict:
     """Run one evicted pass streamed against ``ref`` (same chunk and flash-attention setting); per-trace row."""
     start = budget_cfg.kv_budget if eval_start is None else eval_start
     if start < ref.eval_start:
-        raise ValueError(f"reference starts at {ref.eval_start}, after the evaluated start {start}")
+        raise ConfigError(f"reference starts at {ref.eval_start}, after the evaluated start {start}")
     cmp = StreamingComparison(ref.logp, ref.eval_start, tokens)
     res = teacher_forced_pass(model, tokens, policy_name, budget_cfg, chunk, ref.flash_attn, n_threads=n_threads,
                               eval_start=start, on_chunk=cmp)
-    row = {"policy": policy_name, "kv_budget": budget_cfg.kv_budget, "flash_attn": ref.flash_attn,
+    row = {"policy": policy_spec(policy_name).name, "kv_budget": budget_cfg.kv_budget, "flash_attn": ref.flash_attn,
            "n_tokens": len(tokens), "eval_start": start, "n_eval": cmp.n}
     row.update(cmp.means())
     row.update({"n_evicted": res.n_evicted, "max_live": res.max_live, "seconds": round(res.seconds, 3),
@@ -266,7 +182,8 @@ def compare_pass(model: Model, tokens: list[int], ref: PassResult, policy_name: 
     return row
 
 
-def evaluate_trace(model: Model, tokens: list[int], policies: list[str], budgets: list[int], chunk: int = 16,
+def evaluate_trace(model: Model, tokens: list[int], policies: "list[str | PolicySpec]", budgets: list[int],
+                   chunk: int = 16,
                    n_sink: int = 4, recent_fraction: float = 0.5, flash_attn: bool = True,
                    n_threads: int | None = None,
                    progress: Callable[[str], None] | None = None) -> list[dict]:
@@ -280,7 +197,7 @@ def evaluate_trace(model: Model, tokens: list[int], policies: list[str], budgets
         return []
     groups: dict[bool, list[str]] = {}
     for name in policies:
-        fa = flash_attn and not policy_needs_attention(name)
+        fa = flash_attn and not policy_spec(name).cls.needs_attention
         groups.setdefault(fa, []).append(name)
     rows = []
     for fa in sorted(groups, reverse=True):
@@ -296,7 +213,7 @@ def evaluate_trace(model: Model, tokens: list[int], policies: list[str], budgets
                             "recent_fraction": recent_fraction})
                 rows.append(row)
                 if progress:
-                    progress(f"{name} @ {b}: dNLL={row['delta_nll']:+.4f} top1={row['top1_agreement']:.3f} "
+                    progress(f"{policy_spec(name).name} @ {b}: dNLL={row['delta_nll']:+.4f} top1={row['top1_agreement']:.3f} "
                              f"KL={row['kl']:.4f} ({row['seconds']:.1f}s)")
         del ref
     return rows

@@ -2,7 +2,10 @@
 
 ``Model`` owns a ``llama_model``; ``Context`` owns a ``llama_context`` (flash attention requested as
 ``LLAMA_FLASH_ATTN_TYPE_ENABLED``), its batch, and optionally an eval-callback capture handle. Every llama.cpp
-return code is checked here and turned into :class:`~epikv_local.native.NativeError` or ``ValueError``.
+return code is checked here and turned into an :class:`~epikv_local.errors.EpikvError` (``NativeError``,
+``KVFullError``, ``ModelError``, ``ConfigError``). A closed handle refuses every use, and a model refuses to
+close while a context on it is open (the context holds a reference to it, llama-cpp-python's
+``_internals`` style), so no call can reach freed native memory.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import ConfigError, KVFullError, ModelError, NativeError
+from ..policies.base import ModelShape
 from .native import (
     CAPTURE_K,
     CAPTURE_OUT,
@@ -22,19 +27,38 @@ from .native import (
     LAYER_CAPTURE_LAST_LAYER,
     SEQ_RM_POS_UNSUPPORTED,
     Native,
-    NativeError,
     load,
 )
 
 GGUF_MAGIC = b"GGUF"
+#: llama.cpp stores cell counts, batch sizes and positions as int32
+MAX_CELLS = 2**31 - 1
+#: KV cache element types: name -> (llama_cpp constant, bytes per element; quantized blocks of 32)
+KV_TYPES = {
+    "f32": ("GGML_TYPE_F32", 4.0),
+    "f16": ("GGML_TYPE_F16", 2.0),
+    "bf16": ("GGML_TYPE_BF16", 2.0),
+    "q8_0": ("GGML_TYPE_Q8_0", 34 / 32),
+    "q5_1": ("GGML_TYPE_Q5_1", 24 / 32),
+    "q5_0": ("GGML_TYPE_Q5_0", 22 / 32),
+    "q4_1": ("GGML_TYPE_Q4_1", 20 / 32),
+    "q4_0": ("GGML_TYPE_Q4_0", 18 / 32),
+}
 
 
-class ModelError(ValueError):
-    """The model file or its architecture cannot be used (one-line message)."""
+def resolve_threads(n_threads: int | None) -> int:
+    """Threads for llama.cpp: ``n_threads`` checked against this machine, or the default.
 
-
-class KVFullError(NativeError):
-    """llama_decode found no KV slot for the batch (return code 1) even after the kv-full hook ran."""
+    Default: the CPUs this process may run on (its affinity mask), at most 8, minus one when there are more
+    than 2, so that a busy neighbour (a desktop always has one) does not stall every decode step.
+    """
+    avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if n_threads is None:
+        return max(1, min(8, avail - 1 if avail > 2 else avail))
+    if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 1 <= n_threads <= 4 * avail:
+        raise ConfigError(f"n_threads must be an integer in 1..{4 * avail} (this machine runs {avail} CPUs), "
+                          f"got {n_threads!r}")
+    return n_threads
 
 
 def check_gguf(path: str | os.PathLike) -> Path:
@@ -53,7 +77,7 @@ def check_gguf(path: str | os.PathLike) -> Path:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """Shapes of a loaded model. Units: counts; bytes for kv_bytes_per_cell."""
+    """Shapes of a loaded model (counts)."""
 
     arch: str
     n_layer: int
@@ -64,13 +88,50 @@ class ModelInfo:
     desc: str
 
     @property
-    def kv_bytes_per_cell(self) -> int:
-        """Bytes of one KV cell (all layers, K and V, f16) for this model."""
-        head_dim = self.n_embd // self.n_head
-        return self.n_layer * 2 * self.n_head_kv * head_dim * 2
+    def shape(self) -> ModelShape:
+        """What a policy may know of the model (see ``Policy.bind``)."""
+        return ModelShape(n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head, n_head_kv=self.n_head_kv)
 
 
-class Model:
+class _Owned:
+    """An owned native handle: ``handle`` raises once closed; ``close()`` frees it once (``_free``); context
+    manager; ``__del__`` is a last resort (prefer ``with``)."""
+
+    _what = "handle"
+    _handle = None
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise NativeError(f"{self._what} is closed")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._free()
+            self._handle = None
+
+    def _free(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # at interpreter exit or while a context still holds the model
+            pass
+
+
+class Model(_Owned):
     """A loaded GGUF model. Use as a context manager; ``close()`` frees it.
 
     n_gpu_layers: layers offloaded to a GPU backend (0 on CPU builds; -1 = all).
@@ -87,7 +148,8 @@ class Model:
         if not handle:
             raise ModelError(f"llama.cpp could not load {self.path}: {self.nat.log.recent_errors() or 'unknown error'}")
         self._handle = handle
-        self.vocab = ll.llama_model_get_vocab(handle)
+        self._contexts: set[int] = set()  # ids of the open Contexts on this model
+        self._vocab = ll.llama_model_get_vocab(handle)
         buf = ctypes.create_string_buffer(256)
         ll.llama_model_desc(handle, buf, 256)
         self.info = ModelInfo(
@@ -100,29 +162,21 @@ class Model:
             desc=buf.value.decode("utf-8", "replace"),
         )
 
+    _what = "model"
+
     # -- ownership --------------------------------------------------------------------------------------
     @property
-    def handle(self):
-        if self._handle is None:
-            raise NativeError("model is closed")
-        return self._handle
+    def vocab(self):
+        self.handle  # raises when closed: the vocabulary lives inside the model
+        return self._vocab
 
-    def close(self) -> None:
-        if getattr(self, "_handle", None) is not None:
-            self.nat.llama.llama_model_free(self._handle)
-            self._handle = None
-
-    def __enter__(self) -> "Model":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):  # last resort; prefer the context manager
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _free(self) -> None:
+        """Refused (NativeError) while a context on the model is open: close the sessions first."""
+        if self._contexts:
+            raise NativeError(f"model {self.path.name} still has {len(self._contexts)} open context(s) "
+                              "(sessions); close them before the model")
+        self.nat.llama.llama_model_free(self._handle)
+        self._vocab = None
 
     # -- metadata, tokens --------------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -134,6 +188,26 @@ class Model:
             buf = ctypes.create_string_buffer(n + 1)
             self.nat.llama.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace")
+
+    def metadata(self) -> dict[str, str]:
+        """Every GGUF metadata key/value pair as strings (as llama-cpp-python's ``Llama.metadata``)."""
+        ll, h = self.nat.llama, self.handle
+        out = {}
+        buf = ctypes.create_string_buffer(1 << 16)
+        for i in range(ll.llama_model_meta_count(h)):
+            if ll.llama_model_meta_key_by_index(h, i, buf, len(buf)) < 0:
+                continue
+            key = buf.value.decode("utf-8", "replace")
+            n = ll.llama_model_meta_val_str_by_index(h, i, buf, len(buf))
+            if n < 0:
+                continue
+            if n >= len(buf):
+                big = ctypes.create_string_buffer(n + 1)
+                ll.llama_model_meta_val_str_by_index(h, i, big, len(big))
+                out[key] = big.value.decode("utf-8", "replace")
+            else:
+                out[key] = buf.value.decode("utf-8", "replace")
+        return out
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Text -> token ids (llama_tokenize)."""
@@ -158,14 +232,17 @@ class Model:
             n = self.nat.llama.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
-
     def is_eog(self, token: int) -> bool:
         return bool(self.nat.llama.llama_vocab_is_eog(self.vocab, token))
 
     def token_text(self, token: int) -> str:
         return self.nat.llama.llama_vocab_get_text(self.vocab, token).decode("utf-8", "replace")
+
+    def token_eos(self) -> int:
+        return int(self.nat.llama.llama_vocab_eos(self.vocab))
+
+    def token_bos(self) -> int:
+        return int(self.nat.llama.llama_vocab_bos(self.vocab))
 
     def bos_text(self) -> str:
         tok = self.nat.llama.llama_vocab_bos(self.vocab)
@@ -176,7 +253,7 @@ class Model:
         return self.token_text(tok) if tok >= 0 else ""
 
 
-class Context:
+class Context(_Owned):
     """A llama_context (flash attention requested as ENABLED), for sequence 0 unless n_seq_max > 1.
 
     n_ctx: KV cells allocated (the eviction engine sizes it as budget + one ubatch).
@@ -190,10 +267,12 @@ class Context:
     def __init__(self, model: Model, n_ctx: int, n_batch: int = 64, flash_attn: bool = True,
                  n_threads: int | None = None, cb_eval=None, cb_eval_user_data: int = 0,
                  type_k: str = "f16", type_v: str = "f16", n_seq_max: int = 1):
-        if n_ctx < 1:
-            raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
-        if n_batch < 1:
-            raise ValueError(f"n_batch must be >= 1, got {n_batch}")
+        if not 1 <= n_ctx <= MAX_CELLS:
+            raise ConfigError(f"n_ctx must be in 1..{MAX_CELLS}, got {n_ctx}")
+        if not 1 <= n_batch <= MAX_CELLS:
+            raise ConfigError(f"n_batch must be in 1..{MAX_CELLS}, got {n_batch}")
+        if n_seq_max < 1:
+            raise ConfigError(f"n_seq_max must be >= 1, got {n_seq_max}")
         self.model = model
         self.nat = model.nat
         ll = self.nat.llama
@@ -201,20 +280,19 @@ class Context:
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = n_batch
-        if n_seq_max < 1:
-            raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
         p.n_seq_max = n_seq_max
         p.kv_unified = n_seq_max > 1
-        threads = n_threads or max(1, os.cpu_count() or 1)
+        threads = resolve_threads(n_threads)
         p.n_threads = threads
         p.n_threads_batch = threads
+        self.n_threads = threads
         p.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.no_perf = True
-        types = {"f16": ll.GGML_TYPE_F16, "f32": ll.GGML_TYPE_F32, "q8_0": ll.GGML_TYPE_Q8_0}
-        if type_k not in types or type_v not in types:
-            raise ValueError(f"KV cache types must be one of {sorted(types)}, got {type_k!r}/{type_v!r}")
-        p.type_k = types[type_k]
-        p.type_v = types[type_v]
+        for what, t in (("type_k", type_k), ("type_v", type_v)):
+            if t not in KV_TYPES:
+                raise ConfigError(f"{what} must be one of {', '.join(KV_TYPES)}, got {t!r}")
+        p.type_k = getattr(ll, KV_TYPES[type_k][0])
+        p.type_v = getattr(ll, KV_TYPES[type_v][0])
         self.type_k, self.type_v = type_k, type_v
         if cb_eval is not None:
             p.cb_eval = ll.ggml_backend_sched_eval_callback(cb_eval)
@@ -233,33 +311,17 @@ class Context:
         self._ctx_c = self.nat.as_cffi("struct llama_context *", handle)
         self._batch = ll.llama_batch_init(n_batch, 0, n_seq_max)
         self._kv_full_cb = None
+        model._contexts.add(id(self))
+
+    _what = "context"
 
     # -- ownership --------------------------------------------------------------------------------------
-    @property
-    def handle(self):
-        if self._handle is None:
-            raise NativeError("context is closed")
-        return self._handle
-
-    def close(self) -> None:
-        if getattr(self, "_handle", None) is not None:
-            ll = self.nat.llama
-            self.set_kv_full_callback(None)
-            ll.llama_batch_free(self._batch)
-            ll.llama_free(self._handle)
-            self._handle = None
-
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _free(self) -> None:
+        ll = self.nat.llama
+        self.set_kv_full_callback(None)
+        ll.llama_batch_free(self._batch)
+        ll.llama_free(self._handle)
+        self.model._contexts.discard(id(self))
 
     # -- decode -----------------------------------------------------------------------------------------
     def decode(self, tokens: list[int], positions: list[int] | np.ndarray, logits_last: bool = True,
@@ -269,11 +331,12 @@ class Context:
         Raises KVFullError when no KV slot was found (llama_decode returned 1 after the kv-full hook),
         NativeError on any other failure, ValueError on bad arguments.
         """
+        handle = self.handle  # raises when closed, before the (freed) batch is touched
         n = len(tokens)
         if n == 0 or n > self.n_batch:
-            raise ValueError(f"decode takes 1..{self.n_batch} tokens, got {n}")
+            raise ConfigError(f"decode takes 1..{self.n_batch} tokens, got {n}")
         if len(positions) != n:
-            raise ValueError(f"{n} tokens but {len(positions)} positions")
+            raise ConfigError(f"{n} tokens but {len(positions)} positions")
         b = self._batch
         for i in range(n):
             b.token[i] = int(tokens[i])
@@ -282,7 +345,7 @@ class Context:
             b.seq_id[i][0] = seq_id
             b.logits[i] = 1 if (logits_all or (logits_last and i == n - 1)) else 0
         b.n_tokens = n
-        rc = self.nat.llama.llama_decode(self.handle, b)
+        rc = self.nat.llama.llama_decode(handle, b)
         if rc == DECODE_NO_KV_SLOT:
             raise KVFullError(f"llama_decode: no KV slot for {n} tokens (n_ctx={self.n_ctx})")
         if rc != 0:
@@ -301,6 +364,7 @@ class Context:
 
         Returns the number of cells removed; raises NativeError if the memory type cannot do it.
         """
+        self.handle
         pos = np.ascontiguousarray(positions, dtype=np.int32)
         ffi = self.nat.ffi
         n = self.nat.lib.llama_memory_seq_rm_pos(self._mem_c, seq_id, ffi.from_buffer("llama_pos[]", pos), len(pos))
@@ -314,21 +378,25 @@ class Context:
 
     def seq_rm_range(self, p0: int, p1: int, seq_id: int = 0) -> None:
         """Remove positions [p0, p1) of seq_id (stock llama_memory_seq_rm)."""
+        self.handle
         if not self.nat.llama.llama_memory_seq_rm(self.mem, seq_id, p0, p1):
             raise NativeError(f"llama_memory_seq_rm({seq_id}, {p0}, {p1}) failed")
 
     def seq_copy(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make seq ``dst`` share the cells of ``src`` in [p0, p1) (llama_memory_seq_cp; no data copy when unified)."""
+        self.handle
         self.nat.llama.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
 
     def clear(self) -> None:
+        """Empty the KV cache (all sequences)."""
+        self.handle
         self.nat.llama.llama_memory_clear(self.mem, True)
 
     def set_kv_full_callback(self, fn) -> None:
         """Install fn(n_tokens) -> bool as the kv-full hook (None removes it). Exceptions in fn count as False."""
         ffi = self.nat.ffi
         if fn is None:
-            if self._kv_full_cb is not None and self._handle is not None:
+            if self._kv_full_cb is not None and not self.closed:
                 self.nat.lib.llama_set_kv_full_callback(self._ctx_c, ffi.NULL, ffi.NULL)
             self._kv_full_cb = None
             return
@@ -343,11 +411,12 @@ class Context:
     # -- capture (patched API) --------------------------------------------------------------------------
     def set_layer_capture(self, il: int, enable: bool = True, kind: int = CAPTURE_OUT) -> None:
         """Capture layer il's output (kind=CAPTURE_OUT, "l_out") or keys (CAPTURE_K, "Kcur") from now on."""
+        self.handle
         rc = self.nat.lib.llama_set_layer_capture(self._ctx_c, kind, il, enable)
         if rc == LAYER_CAPTURE_BAD_LAYER:
-            raise ValueError(f"layer {il} is out of range for a {self.model.info.n_layer}-layer model")
+            raise ConfigError(f"layer {il} is out of range for a {self.model.info.n_layer}-layer model")
         if rc == LAYER_CAPTURE_LAST_LAYER:
-            raise ValueError(f"layer {il} is the last layer, whose output keeps only output rows: not capturable")
+            raise ConfigError(f"layer {il} is the last layer, whose output keeps only output rows: not capturable")
         if rc != 0:
             raise NativeError(f"llama_set_layer_capture failed with code {rc}")
 
@@ -357,6 +426,7 @@ class Context:
     def layer_capture(self, il: int, n_tokens: int, kind: int = CAPTURE_OUT) -> np.ndarray | None:
         """Captured rows of layer il for the last decode, shape (n_tokens, n_row) float32 view (valid until the
         next decode); None when the graph had no such tensor."""
+        self.handle
         ffi = self.nat.ffi
         n_row = ffi.new("int32_t *")
         ptr = self.nat.lib.llama_get_layer_capture(self._ctx_c, kind, il, n_row)
@@ -374,6 +444,7 @@ class Context:
 
     def cell_positions(self, seq_id: int = 0) -> np.ndarray:
         """Position held by each KV cell for seq_id, -1 for cells not holding it: (n_cells,) int32."""
+        self.handle
         out = np.empty(self.n_ctx, dtype=np.int32)
         n = self.nat.lib.llama_memory_seq_cell_pos(self._mem_c, seq_id, self.nat.ffi.from_buffer("llama_pos[]", out),
                                                   len(out))
@@ -387,7 +458,6 @@ class Context:
     @property
     def kv_bytes(self) -> int:
         """Bytes allocated for the KV cache (n_ctx cells, all layers, K and V)."""
-        per = {"f16": 2, "f32": 4, "q8_0": 34 / 32}
         info = self.model.info
-        head_dim = info.n_embd // info.n_head
-        return int(self.n_ctx * info.n_layer * info.n_head_kv * head_dim * (per[self.type_k] + per[self.type_v]))
+        row = info.n_head_kv * (info.n_embd // info.n_head)  # floats of one cell's K (or V) row per layer
+        return int(self.n_ctx * info.n_layer * row * (KV_TYPES[self.type_k][1] + KV_TYPES[self.type_v][1]))

@@ -1,6 +1,6 @@
 """Anatomy: which layer's residual-stream change predicts counterfactual importance?
 
-For the traces of a labels file (:mod:`epikv_local.labels`), one teacher-forced pass (flash attention on, as
+For the traces of a labels file (:mod:`epikv_local.eval.labels`), one teacher-forced pass (flash attention on, as
 at run time) captures ``g_l`` for every capturable layer ``0 .. n_layer - 2`` and the keys of every layer;
 ``z_l = rolling_zscore(g_l, window)``. Optionally a second pass with flash attention off reads the attention
 matrix back (averaged over all layers and heads, per KV cell, mapped to positions).
@@ -14,152 +14,74 @@ For every labelled position ``p`` (checkpoint ``c``) the signals are (higher = k
 * ``attn_future``: attention received from the horizon queries [c, c + W) (an oracle, not deployable);
 * ``recency``: the position p; ``random``: seeded normal noise.
 
-Statistics (numpy only): Spearman rank correlation with the label (average ranks for ties) over all
+Statistics (:mod:`.stats`): Spearman rank correlation with the label (average ranks for ties) over all
 positions, the mean of the per-checkpoint Spearman (``spearman_within``, removes between-checkpoint
 differences), and the AUROC of the signal for "label in the top decile".
 """
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from .model import Context, Model
-from .scoring import ScoringConfig, causal_moving_average, diff_norms, rolling_zscore
-
-
-# -- rank statistics ------------------------------------------------------------------------------------------
-def rankdata(x) -> np.ndarray:
-    """Ranks 1..n of x (n,), ties get their average rank (like scipy.stats.rankdata 'average')."""
-    x = np.asarray(x, dtype=np.float64)
-    n = len(x)
-    order = np.argsort(x, kind="mergesort")
-    xs = x[order]
-    ranks = np.empty(n, dtype=np.float64)
-    # group ties: boundaries where the sorted value changes
-    bounds = np.flatnonzero(np.diff(xs) != 0) + 1
-    starts = np.concatenate([[0], bounds])
-    ends = np.concatenate([bounds, [n]])
-    for s, e in zip(starts, ends):
-        ranks[order[s:e]] = (s + e + 1) / 2.0  # mean of ranks s+1 .. e
-    return ranks
-
-
-def spearman(x, y) -> float:
-    """Spearman rank correlation of x and y (n,): Pearson correlation of the average ranks; NaN when either is
-    constant or n < 2. NaN entries of x or y are dropped pairwise."""
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    ok = ~(np.isnan(x) | np.isnan(y))
-    x, y = x[ok], y[ok]
-    if len(x) < 2:
-        return float("nan")
-    rx, ry = rankdata(x), rankdata(y)
-    rx -= rx.mean()
-    ry -= ry.mean()
-    den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
-    return float((rx * ry).sum() / den) if den > 0 else float("nan")
-
-
-def auroc(scores, positive) -> float:
-    """Area under the ROC curve of ``scores`` for the boolean ``positive`` (Mann-Whitney U / (n1 n0), ties
-    counted 1/2). NaN when there are no positives or no negatives."""
-    s = np.asarray(scores, dtype=np.float64)
-    pos = np.asarray(positive, dtype=bool)
-    ok = ~np.isnan(s)
-    s, pos = s[ok], pos[ok]
-    n1 = int(pos.sum())
-    n0 = len(pos) - n1
-    if n1 == 0 or n0 == 0:
-        return float("nan")
-    r = rankdata(s)
-    return float((r[pos].sum() - n1 * (n1 + 1) / 2.0) / (n1 * n0))
-
-
-def top_fraction(labels, frac: float = 0.1) -> np.ndarray:
-    """Boolean mask of the labels at or above the (1 - frac) quantile (the top decile by default)."""
-    y = np.asarray(labels, dtype=np.float64)
-    return y >= np.quantile(y, 1.0 - frac)
-
-
-def within_groups_spearman(x, y, groups) -> float:
-    """Mean over groups (e.g. checkpoints) of the Spearman correlation inside each group (NaN groups skipped)."""
-    x, y, groups = np.asarray(x, float), np.asarray(y, float), np.asarray(groups)
-    vals = [spearman(x[groups == gv], y[groups == gv]) for gv in np.unique(groups)]
-    vals = [v for v in vals if not np.isnan(v)]
-    return float(np.mean(vals)) if vals else float("nan")
-
-
-def signal_stats(signal, labels, groups) -> dict:
-    labels = np.asarray(labels, float)
-    return {"spearman": spearman(signal, labels), "spearman_within": within_groups_spearman(signal, labels, groups),
-            "auroc_top10": auroc(signal, top_fraction(labels))}
+from ..engine.capture import CallbackHandle, KeyCapture, LayerOutCapture
+from ..engine.handles import Context, Model
+from ..engine.native import MODE_ATTN
+from ..errors import DataError
+from ..policies._keys import spaced_layers
+from ..policies.scoring import ScoringConfig, causal_moving_average, rolling_zscore
+from .stats import signal_stats
 
 
 # -- capture -------------------------------------------------------------------------------------------------
+def layer_z(g: np.ndarray, window: int) -> np.ndarray:
+    """Rolling z-score of every layer's g: (T, L) -> (T, L), window in tokens (see policies.scoring)."""
+    return np.stack([rolling_zscore(g[:, j], window) for j in range(g.shape[1])], axis=1)
+
+
 def capture_pass(model: Model, tokens: list[int], chunk: int = 64, n_threads: int | None = None,
                  keys: bool = True) -> dict:
     """Flash-attention-on pass over ``tokens`` capturing g of layers 0..n_layer-2 (T, n_layer-1) and per-layer
-    key norms (T, n_layer) plus unit keys of 4 spaced layers (T, 4, d_k)."""
-    from .policies._keys import spaced_layers
-
+    key norms (T, n_layer) plus unit keys of 4 spaced layers (T, 4, d_k), through the engine's captures."""
     n_layer = model.info.n_layer
-    layers = list(range(n_layer - 1))
+    layers = tuple(range(n_layer - 1))
     kl = spaced_layers(n_layer, 4)
     T = len(tokens)
     g = np.empty((T, len(layers)))
     knorm = np.empty((T, n_layer)) if keys else None
     kunit = None
-    prev = [None] * len(layers)
     with Context(model, n_ctx=T + chunk, n_batch=chunk, n_threads=n_threads) as ctx:
-        for il in layers:
-            ctx.set_layer_out(il, True)
-        if keys:
-            for il in range(n_layer):
-                ctx.set_layer_capture(il, True, kind=1)
+        gcap = LayerOutCapture(ctx, layers, model.info.arch)
+        kcap = KeyCapture(ctx, tuple(range(n_layer)), model.info.arch) if keys else None
         for i in range(0, T, chunk):
             part = tokens[i:i + chunk]
             n = len(part)
             ctx.decode(part, np.arange(i, i + n), logits_last=True)
-            for j, il in enumerate(layers):
-                rows = ctx.layer_out(il, n)
-                if rows is None:
-                    raise RuntimeError(f"no l_out-{il} tensor in this architecture's graph")
-                g[i:i + n, j] = diff_norms(rows, prev[j])
-                prev[j] = rows[-1].copy()
-            if keys:
-                for il in range(n_layer):
-                    k = ctx.layer_keys(il, n)
-                    if k is None:
-                        raise RuntimeError(f"no Kcur-{il} tensor in this architecture's graph")
-                    knorm[i:i + n, il] = np.linalg.norm(k.astype(np.float64), axis=1)
-                    if il in kl:
-                        if kunit is None:
-                            kunit = np.empty((T, len(kl), k.shape[1]), dtype=np.float32)
-                        kk = k.astype(np.float64)
-                        kunit[i:i + n, kl.index(il)] = kk / (np.linalg.norm(kk, axis=1, keepdims=True) + 1e-12)
-    return {"g": g, "layers": layers, "knorm": knorm, "kunit": kunit}
+            g[i:i + n] = gcap.after_decode(n)
+            if kcap is not None:
+                k = kcap.after_decode(n).astype(np.float64)  # (n, n_layer, d_k)
+                knorm[i:i + n] = np.linalg.norm(k, axis=2)
+                ks = k[:, list(kl)]
+                if kunit is None:
+                    kunit = np.empty((T, len(kl), k.shape[2]), dtype=np.float32)
+                kunit[i:i + n] = ks / (np.linalg.norm(ks, axis=2, keepdims=True) + 1e-12)
+    return {"g": g, "layers": list(layers), "knorm": knorm, "kunit": kunit}
 
 
 def attention_pass(model: Model, tokens: list[int], chunk: int, n_threads: int | None = None) -> np.ndarray:
     """Flash-attention-off pass; returns A (n_chunks, T) float32: attention received by each position from the
     queries of each chunk of ``chunk`` tokens (mean over all layers and heads; each query contributes 1)."""
-    from .capture import MODE_ATTN, CallbackHandle
-
     n_layer = model.info.n_layer
     T = len(tokens)
-    n_ctx = T + chunk
     n_chunks = (T + chunk - 1) // chunk
     A = np.zeros((n_chunks, T), dtype=np.float32)
-    with CallbackHandle(model.nat, tuple(range(n_layer)), model.info.n_embd, chunk, 0) as h:
-        h.enable_attention(n_ctx + 256)
-        h.set_mode(MODE_ATTN)
-        with Context(model, n_ctx=n_ctx, n_batch=chunk, flash_attn=False, n_threads=n_threads,
+    with CallbackHandle(model.nat, tuple(range(n_layer)), model.info.n_embd, chunk) as h:
+        with Context(model, n_ctx=T + chunk, n_batch=chunk, flash_attn=False, n_threads=n_threads,
                      cb_eval=h.cb_eval, cb_eval_user_data=h.user_data) as ctx:
+            h.enable_attention(ctx.n_ctx)
+            h.set_mode(MODE_ATTN)
             for k, i in enumerate(range(0, T, chunk)):
                 part = tokens[i:i + chunk]
                 ctx.decode(part, np.arange(i, i + len(part)), logits_last=True)
@@ -180,7 +102,7 @@ def trace_signals(cap: dict, labels: dict[int, dict], window: int, n_layer: int,
     ck = np.array([labels[p]["checkpoint"] for p in pos], dtype=np.int64)
     out: dict[str, np.ndarray] = {"position": pos, "checkpoint": ck,
                                   "label": np.array([labels[p]["label"] for p in pos], dtype=np.float64)}
-    z = np.stack([rolling_zscore(cap["g"][:, j], window) for j in range(cap["g"].shape[1])], axis=1)
+    z = layer_z(cap["g"], window)
     out["z"] = z[pos]
     for name, (a, b) in pairs.items():
         d = z[:, a] - (z[:, b] if b is not None else 0.0)
@@ -251,11 +173,11 @@ def run_anatomy(model: Model, traces: list[tuple[str, list[int]]], labels: dict[
             t_att += time.perf_counter() - t0
         per_trace.append(trace_signals(cap, labels[tid], window, n_layer, attn, attn_chunk, horizon, pairs,
                                        smooth=cfg.smooth))
-        zfull.append(np.stack([rolling_zscore(cap["g"][:, j], window) for j in range(cap["g"].shape[1])], axis=1))
+        zfull.append(layer_z(cap["g"], window))
         if progress:
             progress(f"{tid}: {len(labels[tid])} positions")
     if not per_trace:
-        raise ValueError("no labelled trace matches the traces given")
+        raise DataError("no labelled trace matches the traces given")
     res = analyse(per_trace, n_layer)
     pos_l, neg_l = rank_layers(res["layers"])
     # the EPIKV score at the best anatomy pair (chosen on these same labels: an optimistic number)
@@ -274,56 +196,3 @@ def run_anatomy(model: Model, traces: list[tuple[str, list[int]]], labels: dict[
                 "attention": attention, "attention_chunk": attn_chunk,
                 "traces": [t for t, _ in traces if t in labels]})
     return res
-
-
-def plot(res: dict, path: str | Path, title: str) -> None:
-    """Correlation vs relative depth, default layers A/B marked, baselines as horizontal lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n_layer = res["n_layer"]
-    x = [l["layer"] / n_layer for l in res["layers"]]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(x, [l["spearman"] for l in res["layers"]], "o-", label="z_l: Spearman (pooled)")
-    ax.plot(x, [l["spearman_within"] for l in res["layers"]], "s--", ms=3, label="z_l: Spearman within checkpoint")
-    ax.axhline(0, color="k", lw=0.6)
-    a, *rest = res["default_layers"]
-    ax.axvline(a / n_layer, color="tab:green", ls=":", label=f"default A (layer {a})")
-    if rest:
-        ax.axvline(rest[0] / n_layer, color="tab:red", ls=":", label=f"default B (layer {rest[0]})")
-    colors = {"knorm": "tab:purple", "keydiff": "tab:brown", "attn_received": "tab:orange",
-              "recency": "tab:gray", "epikv_default": "tab:olive"}
-    for k, c in colors.items():
-        if k in res["signals"]:
-            ax.axhline(res["signals"][k]["spearman"], color=c, lw=1, alpha=0.7,
-                       label=f"{k}: {res['signals'][k]['spearman']:+.3f}")
-    ax.set_xlabel("relative depth (layer / n_layer)")
-    ax.set_ylabel("Spearman(signal, counterfactual label)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def to_json(res: dict) -> str:
-    def conv(o):
-        if isinstance(o, (np.floating,)):
-            return float(o)
-        if isinstance(o, (np.integer,)):
-            return int(o)
-        raise TypeError(type(o))
-
-    def clean(o):
-        if isinstance(o, float) and np.isnan(o):
-            return None
-        if isinstance(o, dict):
-            return {k: clean(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return [clean(v) for v in o]
-        return o
-
-    return json.dumps(clean(res), indent=2, default=conv)

@@ -6,6 +6,9 @@ so that ``live + n <= kv_budget``: live cells never exceed the budget. Evictions
 selection step with the policy's scores and the protection mask (first ``n_sink`` tokens, the ``n_recent``
 newest tokens, and the prompt when ``protect_prompt``), ``evict_chunk`` (or more, if needed) at a time,
 removed from llama.cpp in one call (``llama_memory_seq_rm_pos``).
+
+All budget arithmetic lives here: the context size a budget needs (:func:`context_cells`), the prefill chunk
+that leaves the protected cells room, and the recent window in effect once a protected prompt is known.
 """
 
 from __future__ import annotations
@@ -15,12 +18,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .policies.base import Policy
+from ..errors import BudgetError, ConfigError
+from ..policies.base import Policy
+from .protocol import KVContext
 from .selection import protected_mask, select_evictions
 
+#: default share of the budget kept for the newest tokens (see BudgetConfig.recent_fraction)
+DEFAULT_RECENT_FRACTION = 0.5
+#: llama.cpp holds cell counts in int32
+MAX_CELLS = 2**31 - 1
 
-class BudgetError(ValueError):
-    """The budget cannot hold what must be protected (one-line message)."""
+
+def context_cells(kv_budget: int, n_batch: int) -> int:
+    """KV cells to allocate for a budget: the budget plus one ubatch, which llama.cpp must be able to place
+    before the kv-full hook (patches/0003) can evict."""
+    n = kv_budget + n_batch
+    if n > MAX_CELLS:
+        raise ConfigError(f"kv_budget {kv_budget} + n_batch {n_batch} exceeds llama.cpp's {MAX_CELLS} cells")
+    return n
 
 
 @dataclass(frozen=True)
@@ -40,18 +55,20 @@ class BudgetConfig:
     kv_budget: int
     n_sink: int = 4
     n_recent: int | None = None
-    recent_fraction: float = 0.5
+    recent_fraction: float = DEFAULT_RECENT_FRACTION
     protect_prompt: bool = True
     evict_chunk: int = 16
 
     def __post_init__(self):
-        for name in ("kv_budget", "n_sink", "evict_chunk"):
+        for name in ("kv_budget", "n_sink", "evict_chunk", "n_recent"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < (1 if name != "n_sink" else 0):
-                raise BudgetError(f"{name} must be an integer >= {1 if name != 'n_sink' else 0}, got {v!r}")
-        if self.n_recent is not None and (not isinstance(self.n_recent, int) or self.n_recent < 0):
-            raise BudgetError(f"n_recent must be an integer >= 0, got {self.n_recent!r}")
-        if not 0.0 <= self.recent_fraction < 1.0:
+            lo = 0 if name in ("n_sink", "n_recent") else 1
+            if name == "n_recent" and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= MAX_CELLS:
+                raise BudgetError(f"{name} must be an integer in {lo}..{MAX_CELLS}, got {v!r}")
+        rf = self.recent_fraction
+        if isinstance(rf, bool) or not isinstance(rf, (int, float)) or not 0.0 <= rf < 1.0:
             raise BudgetError(f"recent_fraction must be in [0, 1), got {self.recent_fraction!r}")
         if self.n_sink + self.recent + 1 > self.kv_budget:
             raise BudgetError(
@@ -76,10 +93,11 @@ class EvictionEvent:
 
 @dataclass
 class EngineStats:
+    """Counts since the engine was created; evict_seconds: wall time spent in eviction rounds."""
+
     n_evicted: int = 0
     n_rounds: int = 0
     max_live: int = 0
-    n_hook_calls: int = 0
     evict_seconds: float = 0.0
     events: list[EvictionEvent] = field(default_factory=list)
 
@@ -87,7 +105,7 @@ class EngineStats:
 class EvictionEngine:
     """Tracks the live positions of sequence 0 of ``ctx`` and evicts with ``policy`` under ``cfg``."""
 
-    def __init__(self, ctx, policy: Policy, cfg: BudgetConfig, record: bool = False):
+    def __init__(self, ctx: KVContext, policy: Policy, cfg: BudgetConfig, record: bool = False):
         self.ctx = ctx
         self.policy = policy
         self.cfg = cfg
@@ -96,7 +114,7 @@ class EvictionEngine:
         self.n_live = 0
         self.newest = -1
         self.prompt_end: int | None = None
-        self.recent = cfg.recent  # protected recent window in effect (see check_prompt)
+        self.recent = cfg.recent  # protected recent window in effect (see begin_prompt)
         self.stats = EngineStats()
 
     # -- bookkeeping --------------------------------------------------------------------------------------
@@ -115,25 +133,59 @@ class EvictionEngine:
         self.newest = max(self.newest, top - 1)
         self.stats.max_live = max(self.stats.max_live, self.n_live)
 
-    def check_prompt(self, n_prompt: int) -> None:
-        """Raise BudgetError if a protected prompt of n_prompt tokens cannot fit with the recent window."""
+    def prefill_chunk(self, n_batch: int) -> int:
+        """Tokens per decode during prefill: n_batch, but small enough to leave the protected cells room."""
         if not self.policy.evicts:
-            if n_prompt > self.cfg.kv_budget:
-                raise BudgetError(f"prompt of {n_prompt} tokens exceeds kv_budget {self.cfg.kv_budget} "
+            return n_batch
+        room = self.cfg.kv_budget - self.cfg.n_sink - self.recent
+        return max(1, min(n_batch, room))
+
+    def begin_prompt(self, start: int, n_prompt: int) -> None:
+        """A prompt of n_prompt tokens will be decoded from position ``start``: check that it fits (with the
+        prompt protected), size the recent window and protect the prompt. BudgetError if it cannot fit."""
+        self.recent = self.recent_window(n_prompt)
+        self.prompt_end = start + n_prompt
+
+    def check_prompt(self, n_prompt: int) -> None:
+        """Raise BudgetError if a prompt of n_prompt tokens cannot fit (changes nothing)."""
+        self.recent_window(n_prompt)
+
+    def recent_window(self, n_prompt: int) -> int:
+        """The recent window in effect with a protected prompt of n_prompt tokens: a window derived from
+        ``recent_fraction`` shrinks to what the prompt leaves; BudgetError when the prompt cannot fit."""
+        cfg = self.cfg
+        if not self.policy.evicts:
+            if n_prompt > cfg.kv_budget:
+                raise BudgetError(f"prompt of {n_prompt} tokens exceeds kv_budget {cfg.kv_budget} "
                                   "with policy 'none' (no eviction)")
-            return
-        if not self.cfg.protect_prompt:
-            return
-        room = self.cfg.kv_budget - self.cfg.n_sink - n_prompt - 1  # cells left for the recent window
-        if self.cfg.n_recent is None and room >= 1:
-            # a recent window derived from recent_fraction yields to the protected prompt
-            self.recent = min(self.cfg.recent, room)
-            return
-        if n_prompt + self.cfg.recent + 1 > self.cfg.kv_budget or room < 1:
+            return cfg.recent
+        if not cfg.protect_prompt:
+            return cfg.recent
+        room = cfg.kv_budget - cfg.n_sink - n_prompt - 1  # cells left for the recent window
+        if cfg.n_recent is None and room >= 1:
+            return min(cfg.recent, room)
+        if n_prompt + cfg.recent + 1 > cfg.kv_budget or room < 1:
             raise BudgetError(
-                f"prompt of {n_prompt} tokens plus the recent window of {self.cfg.recent} does not fit "
-                f"kv_budget {self.cfg.kv_budget} while the prompt is protected; raise the budget or stop "
+                f"prompt of {n_prompt} tokens plus the recent window of {cfg.recent} does not fit "
+                f"kv_budget {cfg.kv_budget} while the prompt is protected; raise the budget or stop "
                 "protecting the prompt (--no-protect-prompt)")
+        return cfg.recent
+
+    def truncate(self, pos: int) -> int:
+        """Drop every position >= pos from the cache and the bookkeeping (a rewind, e.g. to the common prefix
+        of a new chat turn). llama.cpp continues a sequence only right after its last stored position, so the
+        sequence resumes after the newest live position below ``pos``: returns that next position (<= pos)."""
+        pos = max(0, int(pos))
+        if pos <= self.newest:
+            self.ctx.seq_rm_range(pos, -1)
+            gone = self._alive[pos: self.newest + 1]
+            self.n_live -= int(gone.sum())
+            gone[:] = False
+            live = np.flatnonzero(self._alive[:pos])
+            self.newest = int(live[-1]) if len(live) else -1
+        if self.prompt_end is not None and self.prompt_end > self.newest + 1:
+            self.prompt_end = self.newest + 1
+        return self.newest + 1
 
     # -- eviction -----------------------------------------------------------------------------------------
     def protected(self, positions: np.ndarray) -> np.ndarray:
@@ -177,7 +229,6 @@ class EvictionEngine:
 
     def on_kv_full(self, n_tokens: int) -> bool:
         """llama_decode's kv-full hook: evict a chunk and ask for a retry."""
-        self.stats.n_hook_calls += 1
         if not self.policy.evicts:
             return False
         return self.evict(max(n_tokens, self.cfg.evict_chunk), reason="kv_full_hook") > 0

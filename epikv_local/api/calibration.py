@@ -1,0 +1,145 @@
+"""The calibration store, read side, and the one place that turns a policy name into a configured policy.
+
+``epikv-local calibrate`` (:mod:`epikv_local.eval.calibrate`) writes a model's chosen settings as JSON to
+``<cache>/calibration/<sha256 of the model file>.json``; the default model's calibration ships in the package
+(``epikv_local/calibrations/``). :func:`resolve_policy` is what the CLI and the API call: it applies a
+model's calibration to a *calibratable* policy (a class trait, never a policy name) unless the user gave the
+calibrated settings explicitly, and returns the recent share to use with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..engine.budget import DEFAULT_RECENT_FRACTION
+from ..errors import DataError
+from ..policies import Policy, make_policy, policy_spec
+from .models import cache_dir
+
+CALIBRATION_VERSION = 1
+#: calibrations shipped with the package (the default model's, measured on the dev traces; docs/calibration.md)
+PACKAGED_DIR = Path(__file__).resolve().parents[1] / "calibrations"
+#: the policy settings a calibration chooses
+CALIBRATED_OPTIONS = ("layers", "window")
+
+
+def calibration_dir() -> Path:
+    return cache_dir() / "calibration"
+
+
+def model_sha256(path: str | os.PathLike) -> str:
+    """sha256 of the whole model file, cached by (path, size, mtime) in ``<cache>/model_hashes.json``."""
+    p = Path(path).expanduser().resolve()
+    st = p.stat()
+    key = f"{p}|{st.st_size}|{st.st_mtime_ns}"
+    store = cache_dir() / "model_hashes.json"
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    known[key] = digest
+    try:  # a cache: failing to write it costs a re-hash next time, nothing else
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(store)
+    except OSError:
+        pass
+    return digest
+
+
+def calibration_path(model_path: str | os.PathLike) -> Path:
+    return calibration_dir() / f"{model_sha256(model_path)}.json"
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """Chosen EPIKV settings for one model file. Layers are this model's indices (0 .. n_layer - 2)."""
+
+    model_sha256: str
+    arch: str
+    n_layer: int
+    layer_a: int
+    layer_b: int | None
+    window: int
+    recent_fraction: float
+    delta_nll: float            # mean dev ΔNLL of the chosen settings (over traces x budgets)
+    baseline_delta_nll: float   # same for the default settings
+    path: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return (self.layer_a,) if self.layer_b is None else (self.layer_a, self.layer_b)
+
+    def policy_options(self) -> dict:
+        """The calibrated settings of a calibratable policy (``make_policy(name, **options)``)."""
+        return {"layers": self.layers, "window": self.window}
+
+
+def load_file(path: str | os.PathLike) -> CalibrationResult:
+    """Read a calibration JSON; DataError when it is missing or malformed."""
+    try:
+        d = json.loads(Path(path).read_text())
+        ch = d["chosen"]
+        return CalibrationResult(
+            model_sha256=d["model_sha256"], arch=d["arch"], n_layer=int(d["n_layer"]), layer_a=int(ch["layer_a"]),
+            layer_b=None if ch["layer_b"] is None else int(ch["layer_b"]), window=int(ch["window"]),
+            recent_fraction=float(ch["recent_fraction"]), delta_nll=float(d["chosen_delta_nll"]),
+            baseline_delta_nll=float(d["baseline_delta_nll"]), path=str(path),
+            extra={k: d.get(k) for k in ("created", "cost_seconds", "traces")})
+    except OSError as e:
+        raise DataError(f"cannot read calibration {path}: {e.strerror or e}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"calibration {path} is malformed ({type(e).__name__}: {e})") from None
+
+
+def load_for_model(model_path: str | os.PathLike) -> CalibrationResult | None:
+    """The calibration of this model file (matched by content hash): the user's own (cache) first, then one
+    shipped with the package; None when there is none."""
+    p = calibration_path(model_path)
+    if not p.is_file():
+        p = PACKAGED_DIR / p.name
+        if not p.is_file():
+            return None
+    return load_file(p)
+
+
+@dataclass(frozen=True)
+class ResolvedPolicy:
+    """A configured policy plus what goes with it: the recent share and the calibration used (if any)."""
+
+    policy: Policy
+    recent_fraction: float
+    calibration: CalibrationResult | None
+
+
+def resolve_policy(name: str, model_path: str | os.PathLike | None, options: dict | None = None,
+                   use_calibration: bool = True) -> ResolvedPolicy:
+    """Configure policy ``name`` for a model file.
+
+    options: settings given by the user (None values are ignored); a setting the policy lacks is a
+    ConfigError. A calibratable policy whose calibrated settings were not given takes the model's calibration
+    (and its recent share) when one exists; otherwise the policy's documented defaults apply.
+    """
+    spec = policy_spec(name)
+    opts = {k: v for k, v in (options or {}).items() if v is not None}
+    cal = None
+    if (use_calibration and model_path is not None and spec.cls.calibratable
+            and not any(k in opts for k in CALIBRATED_OPTIONS)):
+        cal = load_for_model(model_path)
+    if cal is not None:
+        opts = {**cal.policy_options(), **opts}
+    policy = make_policy(name, **opts)
+    return ResolvedPolicy(policy, cal.recent_fraction if cal else DEFAULT_RECENT_FRACTION, cal)

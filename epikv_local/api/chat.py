@@ -1,0 +1,25 @@
+"""Prompts: the model's own chat template (rendered by llama-cpp-python's Jinja2 formatter) and tokenizing."""
+
+from __future__ import annotations
+
+from ..engine.handles import Model
+from ..errors import ModelError
+
+
+def apply_chat_template(model: Model, prompt: str, system: str | None = None) -> str:
+    """Render a single-turn chat with the model's own template (GGUF ``tokenizer.chat_template``)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = model.meta("tokenizer.chat_template")
+    if not template:
+        raise ModelError(f"model {model.path.name} has no chat template (tokenizer.chat_template); drop --chat")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    fmt = Jinja2ChatFormatter(template=template, eos_token=model.eos_text(), bos_token=model.bos_text())
+    return fmt(messages=messages).prompt
+
+
+def tokenize_prompt(model: Model, text: str) -> list[int]:
+    """Tokenize, adding BOS only if the rendered text does not already start with it."""
+    bos = model.bos_text()
+    add_special = not (bos and text.startswith(bos))
+    return model.tokenize(text, add_special=add_special, parse_special=True)

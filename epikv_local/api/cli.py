@@ -1,0 +1,131 @@
+"""The product's commands: ``generate``, ``demo`` and ``fetch-model``.
+
+:func:`add_commands` adds them to the ``epikv-local`` parser (composed in :mod:`epikv_local.cli`). Policy
+settings given on the command line (``--layers``, ``--window``) are handed to the policy registry by name:
+a policy that lacks a setting refuses it with one clear line, so this module never branches on policy names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..policies import REGISTRY
+
+DEMO_PROMPT = (
+    "Solve step by step, checking each step: a train travels 60 km in the first hour and 45 km in the second "
+    "hour. Then it stops for 30 minutes and travels 90 km in 1.5 hours. What is its average speed over the "
+    "whole trip, including the stop? Explain your reasoning in detail before giving the final answer."
+)
+
+
+def _layers_arg(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers takes one or two comma-separated integers, got {text!r}")
+    if not 1 <= len(vals) <= 2:
+        raise argparse.ArgumentTypeError(f"--layers takes one or two layers, got {len(vals)}")
+    return vals
+
+
+def _policy_help() -> str:
+    attn = sorted(n for n, s in REGISTRY.items() if s.cls.needs_attention)
+    return f"eviction policy (attention-based ones need --no-flash-attn: {', '.join(attn)})"
+
+
+def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
+    if not demo:
+        p.add_argument("--model", required=True, help="path to a GGUF model file")
+        p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", default=demo, help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=600 if demo else 256)
+    p.add_argument("--kv-budget", type=int, default=256 if demo else 2048, help="maximum live KV cells")
+    p.add_argument("--policy", choices=sorted(REGISTRY), default="epikv", help=_policy_help())
+    p.add_argument("--n-sink", type=int, default=4)
+    p.add_argument("--n-recent", type=int, default=None,
+                   help="recent tokens kept (default: the recent share of the budget, 0.5 or the calibration's)")
+    p.add_argument("--evict-chunk", type=int, default=16)
+    p.add_argument("--no-protect-prompt", action="store_true", help="allow evicting prompt tokens")
+    p.add_argument("--layers", type=_layers_arg, default=None,
+                   help="policy setting 'layers': EPIKV layers A[,B] of this model (default: 10,21 of 32 mapped "
+                        "by relative depth, or the model's calibration)")
+    p.add_argument("--window", type=int, default=None,
+                   help="policy setting 'window': rolling z-score window in tokens (default 128, or the "
+                        "model's calibration)")
+    p.add_argument("--capture", choices=["layer_out", "callback"], default="layer_out")
+    p.add_argument("--no-flash-attn", action="store_true", help="run with flash attention off")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: CPUs available - 1)")
+    p.add_argument("--batch", type=int, default=64, help="tokens per decode call (ubatch)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text and stats at the end")
+    p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
+
+
+def add_commands(sub) -> dict:
+    """Add the product's subcommands to ``sub``; returns {command name: runner(args) -> exit status}."""
+    _add_run_args(sub.add_parser("generate", help="generate text under a KV budget"), demo=False)
+    _add_run_args(sub.add_parser("demo", help="reasoning prompt on the default model (SmolLM2-135M)"), demo=True)
+    sub.add_parser("fetch-model", help="download and cache the default model; print its path")
+    return {"generate": run_generate, "demo": run_generate, "fetch-model": run_fetch_model}
+
+
+def run_fetch_model(args) -> int:
+    from .models import default_model_path
+
+    print(default_model_path())
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from ..engine.budget import BudgetConfig
+    from ..engine.handles import Model, check_gguf
+    from ..engine.native import load
+    from ..engine.session import Session, SessionConfig
+    from ..errors import ConfigError
+    from .calibration import resolve_policy
+    from .chat import apply_chat_template, tokenize_prompt
+    from .generation import generate
+    from .models import default_model_path
+    from .sampling import SamplingConfig
+
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    model_path = default_model_path() if args.cmd == "demo" else check_gguf(args.model)
+    prompt = DEMO_PROMPT if args.cmd == "demo" else args.prompt
+    resolved = resolve_policy(args.policy, model_path, {"layers": args.layers, "window": args.window})
+    budget = BudgetConfig(kv_budget=args.kv_budget, n_sink=args.n_sink, n_recent=args.n_recent,
+                          recent_fraction=resolved.recent_fraction, protect_prompt=not args.no_protect_prompt,
+                          evict_chunk=args.evict_chunk)
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    scfg = SessionConfig(n_batch=args.batch, n_threads=args.threads, capture_route=args.capture,
+                         flash_attn=not args.no_flash_attn)
+    nat = load(verbose=args.verbose)
+    with Model(model_path, native=nat) as model:
+        text = apply_chat_template(model, prompt) if args.chat else prompt
+        tokens = tokenize_prompt(model, text)
+        stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        with Session(model, resolved.policy, budget, scfg) as session:
+            session.check_prompt(len(tokens))
+            if resolved.calibration is not None:  # said once the settings are known to work: errors stay one line
+                print(f"epikv-local: using calibration {resolved.calibration.path}", file=sys.stderr)
+            result = generate(session, tokens, args.max_tokens, sampling, tuple(args.stop), on_text=stream,
+                              ignore_eog=args.ignore_eos)
+    stats = result.stats.as_dict()
+    if args.json:
+        stats["text"] = result.text
+        stats["model"] = str(model_path)
+        print(json.dumps(stats))
+    else:
+        sys.stdout.write("\n\n")
+        keys = ["policy", "kv_budget", "n_prompt_tokens", "n_generated_tokens", "n_evicted", "max_live_cells",
+                "decode_tokens_per_s", "prefill_tokens_per_s", "kv_bytes", "flash_attn", "capture_route", "layers",
+                "stop_reason"]
+        print("  ".join(f"{k}={stats[k]}" for k in keys))
+    return 0

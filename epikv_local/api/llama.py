@@ -1,0 +1,468 @@
+"""``epikv_local.Llama``: llama-cpp-python's ``Llama`` for chat scripts, with a KV budget.
+
+A script written against ``llama_cpp.Llama`` changes its import line (and may add ``kv_budget=``)::
+
+    from epikv_local import Llama
+    llm = Llama(model_path="model.gguf", kv_budget=4096)
+    for chunk in llm.create_chat_completion(messages=[...], stream=True): ...
+
+The names mean what they mean in llama-cpp-python; the differences are listed in docs/api.md. Internally
+one :class:`~epikv_local.engine.session.Session` holds one sequence whose live KV cells never exceed
+``kv_budget``: every call keeps the longest common token prefix with what the cache holds (evictions and
+all) and decodes only the rest, so a multi-turn chat runs on one cache. Prompts are rendered by
+llama-cpp-python's own chat handlers (the GGUF's Jinja template, or a named ``chat_format``); reasoning
+(``<think>…</think>``) is split into ``reasoning_content`` (``reasoning_format="deepseek"``, llama-server's
+default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..engine.budget import BudgetConfig
+from ..engine.handles import KV_TYPES, Model
+from ..engine.native import load
+from ..engine.session import Session, SessionConfig
+from ..errors import ConfigError, ModelError
+from . import responses as R
+from .calibration import resolve_policy
+from .generation import GenerationStats, fill_session_stats, new_stats, stream_generate
+from .reasoning import FORMATS, ReasoningSplitter, prompt_opens_thinking, split_reasoning
+from .sampling import MAX_SEED, SamplingConfig
+
+#: the budget when neither kv_budget nor n_ctx is given (KV cells)
+DEFAULT_KV_BUDGET = 4096
+#: sampling defaults for reasoning models (DeepSeek-R1 / Qwen3 model cards) when the caller sets none
+REASONING_TEMPERATURE, REASONING_TOP_P = 0.6, 0.95
+#: llama.cpp's "pick a random seed"
+LLAMA_DEFAULT_SEED = MAX_SEED
+#: llama-cpp-python constructor arguments accepted for compatibility but without effect here
+IGNORED_ARGS = frozenset({
+    "use_mmap", "use_mlock", "vocab_only", "kv_overrides", "main_gpu", "split_mode", "tensor_split",
+    "rope_scaling_type", "pooling_type", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor",
+    "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_orig_ctx", "logits_all", "embedding",
+    "offload_kqv", "op_offload", "swa_full", "last_n_tokens_size", "lora_base", "lora_scale", "lora_path",
+    "numa", "draft_model", "tokenizer", "spm_infill", "no_perf", "n_ubatch", "n_threads_batch", "mul_mat_q",
+    "defrag_thold", "f16_kv"})
+#: chat roles accepted in messages
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _kv_type(value, what: str) -> str:
+    """A KV cache type given as a name ("q8_0") or as llama-cpp-python's GGML_TYPE_* integer."""
+    if value is None:
+        return "f16"
+    if isinstance(value, str) and value in KV_TYPES:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        import llama_cpp
+
+        for name, (const, _) in KV_TYPES.items():
+            if getattr(llama_cpp, const, None) == value:
+                return name
+    raise ConfigError(f"{what} must be one of {', '.join(KV_TYPES)} (or its GGML_TYPE_* value), got {value!r}")
+
+
+def check_messages(messages) -> None:
+    """ConfigError unless ``messages`` is a non-empty list of {"role": known role, "content": ...} dicts."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ConfigError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ConfigError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ConfigError(f"messages[{i}] has unknown role {role!r}; roles are {', '.join(ROLES)}")
+        content = m.get("content")
+        ok = content is None or isinstance(content, str) or (
+            isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                              and isinstance(p.get("text"), str) for p in content))
+        if not ok:
+            raise ConfigError(f"messages[{i}].content must be a string or a list of text parts, got "
+                              f"{type(content).__name__}")
+
+
+def _criteria(stopping_criteria, prompt: list[int], session: Session):
+    """llama-cpp-python's ``stopping_criteria(tokens, logits)`` as our ``should_stop(generated)``, with the
+    token array grown in place (not rebuilt per token)."""
+    import numpy as np
+
+    buf = np.empty(max(64, 2 * len(prompt)), dtype=np.intc)
+    buf[:len(prompt)] = prompt
+    state = {"n": len(prompt), "buf": buf}
+
+    def should_stop(generated: list[int]) -> bool:
+        n = len(prompt) + len(generated)
+        if n > len(state["buf"]):
+            grown = np.empty(2 * n, dtype=np.intc)
+            grown[:state["n"]] = state["buf"][:state["n"]]
+            state["buf"] = grown
+        state["buf"][state["n"]:n] = generated[state["n"] - len(prompt):]
+        state["n"] = n
+        return bool(stopping_criteria(state["buf"][:n], session.logits()))
+    return should_stop
+
+
+class Llama:
+    """A GGUF model with one budgeted KV cache, shaped like ``llama_cpp.Llama`` (see docs/api.md).
+
+    kv_budget: live KV cells (tokens) kept; beyond it the policy evicts. Default: ``n_ctx`` when given,
+        else 4096. ``n_ctx`` is not a length limit here: a generation runs until its end or ``max_tokens``.
+    kv_policy / kv_policy_settings: the eviction policy and its settings (``epikv_local.policies``); a
+        calibratable policy takes the model's calibration when no settings are given.
+    n_sink, n_recent, recent_fraction, protect_prompt, evict_chunk: the budget settings (``BudgetConfig``).
+    n_gpu_layers: layers offloaded to a GPU backend; -1 (default) = all of them on a GPU build (CPU builds
+        ignore it).
+    flash_attn: on by default (attention-free eviction keeps it on; the attention-based policies need it off).
+    reasoning_format: "deepseek" (split ``<think>`` into ``reasoning_content``) or "none".
+    """
+
+    def __init__(self, model_path: str | os.PathLike, *, n_gpu_layers: int = -1, n_ctx: int | None = None,
+                 n_batch: int = 64, n_threads: int | None = None, seed: int = LLAMA_DEFAULT_SEED,
+                 flash_attn: bool = True, type_k=None, type_v=None, chat_format: str | None = None,
+                 chat_handler=None, verbose: bool = False, kv_budget: int | None = None, kv_policy: str = "epikv",
+                 kv_policy_settings: dict | None = None, n_sink: int = 4, n_recent: int | None = None,
+                 recent_fraction: float | None = None, protect_prompt: bool = True, evict_chunk: int = 16,
+                 reasoning_format: str = "deepseek", capture_route: str = "layer_out", **kwargs: Any):
+        unknown = sorted(set(kwargs) - IGNORED_ARGS)
+        if unknown:
+            raise TypeError(f"Llama() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+        ignored = sorted(k for k in kwargs if k != "n_threads_batch")
+        if ignored:
+            warnings.warn(f"epikv_local.Llama ignores {', '.join(ignored)} (see docs/api.md)", stacklevel=2)
+        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0):
+            raise ConfigError(f"n_ctx must be an integer >= 0, got {n_ctx!r}")
+        if kv_budget is None:
+            kv_budget = n_ctx if n_ctx else DEFAULT_KV_BUDGET
+        elif n_ctx and n_ctx != kv_budget:
+            warnings.warn(f"n_ctx={n_ctx} is not used: epikv-local keeps at most kv_budget={kv_budget} KV cells and "
+                          "evicts beyond them, so the context size does not limit a generation", stacklevel=2)
+        if reasoning_format not in FORMATS:
+            raise ConfigError(f"reasoning_format must be one of {FORMATS}, got {reasoning_format!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise ConfigError(f"seed must be an integer in 0..{MAX_SEED}, got {seed!r}")
+        self.model_path = str(model_path)
+        self.verbose = verbose
+        self.seed = seed
+        self.reasoning_format = reasoning_format
+        self._lock = threading.Lock()
+        self._generation = 0  # bumped by every call: an older stream still being read is cut off
+        self.last_stats: GenerationStats | None = None
+        self._call_evicted = 0
+        self._last_rendered = ""
+        resolved = resolve_policy(kv_policy, model_path if Path(model_path).is_file() else None,
+                                  kv_policy_settings)
+        budget = BudgetConfig(kv_budget=kv_budget, n_sink=n_sink, n_recent=n_recent,
+                              recent_fraction=resolved.recent_fraction if recent_fraction is None else recent_fraction,
+                              protect_prompt=protect_prompt, evict_chunk=evict_chunk)
+        scfg = SessionConfig(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, capture_route=capture_route,
+                             type_k=_kv_type(type_k, "type_k"), type_v=_kv_type(type_v, "type_v"))
+        self.calibration = resolved.calibration
+        with contextlib.ExitStack() as stack:
+            nat = load(verbose=verbose)
+            self._model = stack.enter_context(Model(model_path, n_gpu_layers=n_gpu_layers, native=nat))
+            self._session = stack.enter_context(Session(self._model, resolved.policy, budget, scfg))
+            self._stack = stack.pop_all()
+        self.chat_format, self.chat_handler = self._chat_handler(chat_format, chat_handler)
+
+    # -- construction helpers ----------------------------------------------------------------------------------
+    def _chat_handler(self, chat_format, chat_handler):
+        from llama_cpp import llama_chat_format as lcf
+
+        if chat_handler is not None:
+            return chat_format, chat_handler
+        if chat_format is not None:
+            try:
+                return chat_format, lcf.get_chat_completion_handler(chat_format)
+            except lcf.LlamaChatCompletionHandlerNotFoundException:
+                names = sorted(lcf.LlamaChatCompletionHandlerRegistry()._chat_handlers)
+                raise ConfigError(f"unknown chat_format {chat_format!r}; choose one of {', '.join(names)}") from None
+        template = self._model.meta("tokenizer.chat_template")
+        if template:
+            fmt = lcf.Jinja2ChatFormatter(template=template, eos_token=self._model.eos_text(),
+                                          bos_token=self._model.bos_text(), stop_token_ids=[self._model.token_eos()])
+            return "chat_template.default", fmt.to_chat_handler()
+        return "llama-2", lcf.get_chat_completion_handler("llama-2")  # llama-cpp-python's fallback
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str, local_dir: str | os.PathLike | None = None,
+                        cache_dir: str | os.PathLike | None = None, **kwargs) -> "Llama":
+        """Load ``filename`` (a name or glob pattern) of a Hugging Face Hub repository through huggingface-hub,
+        which honours its cache (``HF_HUB_CACHE``) and offline mode (``HF_HUB_OFFLINE=1``)."""
+        from huggingface_hub import hf_hub_download, snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        try:
+            if any(c in filename for c in "*?["):
+                root = Path(snapshot_download(repo_id, allow_patterns=[filename], cache_dir=cache_dir,
+                                              local_dir=local_dir))
+                found = sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                               if p.is_file() and fnmatch.fnmatch(str(p.relative_to(root)), filename))
+                if len(found) != 1:
+                    raise ModelError(f"{len(found)} files of {repo_id} match {filename!r}"
+                                     + (f": {', '.join(found[:8])}" if found else ""))
+                path = root / found[0]
+            else:
+                path = Path(hf_hub_download(repo_id, filename, cache_dir=cache_dir, local_dir=local_dir))
+        except LocalEntryNotFoundError:
+            raise ModelError(f"{repo_id}/{filename} is not in the Hugging Face cache and cannot be downloaded "
+                             "(offline, or no network)") from None
+        except (HfHubHTTPError, ValueError, OSError) as e:
+            raise ModelError(f"cannot get {repo_id}/{filename} from the Hugging Face Hub: {e}") from None
+        return cls(model_path=str(path), **kwargs)
+
+    # -- ownership -----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the context and the model (also done by ``with``)."""
+        stack, self._stack = getattr(self, "_stack", None), None
+        if stack is not None:
+            stack.close()
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def session(self) -> Session:
+        if getattr(self, "_stack", None) is None:
+            raise ConfigError("this Llama is closed")
+        return self._session
+
+    # -- tokens ----------------------------------------------------------------------------------------------------
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Text (UTF-8 bytes, or str) -> token ids, as ``llama_cpp.Llama.tokenize``."""
+        if isinstance(text, str):
+            text = text.encode("utf-8")
+        if not isinstance(text, (bytes, bytearray)):
+            raise ConfigError(f"tokenize takes bytes or str, got {type(text).__name__}")
+        self.session
+        self._last_rendered = text.decode("utf-8", "replace")  # the chat handlers tokenize the rendered prompt
+        return self._model.tokenize(self._last_rendered, add_special=add_bos, parse_special=special)
+
+    def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
+        """Token ids -> UTF-8 bytes, as ``llama_cpp.Llama.detokenize``."""
+        self.session
+        n_vocab = self._model.info.n_vocab
+        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < n_vocab]
+        if bad:
+            raise ConfigError(f"token ids must be integers in 0..{n_vocab - 1}, got {bad[:5]}")
+        return b"".join(self._model.token_bytes(t, special=special) for t in tokens)
+
+    def n_ctx(self) -> int:
+        """The KV budget (live cells); llama-cpp-python's context size is replaced by it."""
+        return self.session.budget.kv_budget
+
+    def n_vocab(self) -> int:
+        return self._model.info.n_vocab
+
+    def token_eos(self) -> int:
+        return self._model.token_eos()
+
+    def token_bos(self) -> int:
+        return self._model.token_bos()
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self._model.metadata()
+
+    def reset(self) -> None:
+        """Forget the conversation: the next call starts a new sequence."""
+        with self._lock:
+            self._generation += 1
+            self.session.reset()
+
+    # -- completions -------------------------------------------------------------------------------------------
+    def _sampling(self, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, frequency_penalty,
+                  presence_penalty, seed, logit_bias) -> SamplingConfig:
+        if seed is None:
+            seed = self.seed
+        if seed == LLAMA_DEFAULT_SEED:
+            seed = int.from_bytes(os.urandom(4), "little") % LLAMA_DEFAULT_SEED
+        bias = {int(k): float(v) for k, v in (logit_bias or {}).items()} if isinstance(logit_bias, dict) else logit_bias
+        return SamplingConfig(
+            temperature=REASONING_TEMPERATURE if temperature is None else temperature,
+            top_p=REASONING_TOP_P if top_p is None else top_p, top_k=top_k, seed=seed, min_p=min_p,
+            typical_p=typical_p, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, logit_bias=bias or ())
+
+    @staticmethod
+    def _refuse(**features) -> None:
+        for name, value in features.items():
+            if value:
+                raise ConfigError(f"{name} is not supported by epikv-local (see docs/api.md)")
+
+    def create_completion(self, prompt: str | list[int], suffix: str | None = None, max_tokens: int | None = None,
+                          temperature: float | None = None, top_p: float | None = None, min_p: float = 0.05,
+                          typical_p: float = 1.0, logprobs: int | None = None, echo: bool = False,
+                          stop: str | list[str] | None = None, frequency_penalty: float = 0.0,
+                          presence_penalty: float = 0.0, repeat_penalty: float = 1.0, top_k: int = 40,
+                          stream: bool = False, seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                          mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+                          stopping_criteria=None, logits_processor=None, grammar=None, logit_bias=None):
+        """Complete ``prompt`` (text or token ids). Returns a completion dict, or an iterator of chunks with
+        ``stream=True``. Sampling defaults suit reasoning models (temperature 0.6, top-p 0.95) and
+        ``max_tokens=None`` lets the generation run to its end: the KV budget bounds memory, not length."""
+        self._refuse(suffix=suffix, logprobs=logprobs is not None, grammar=grammar is not None,
+                     logits_processor=logits_processor is not None, mirostat=mirostat_mode)
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 1):
+            raise ConfigError(f"max_tokens must be a positive integer or None (no limit), got {max_tokens!r}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ConfigError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        session = self.session
+        if isinstance(prompt, str):
+            prompt_text = prompt
+            tokens = self.tokenize(prompt.encode("utf-8"), add_bos=True, special=True) if prompt else []
+        elif isinstance(prompt, (list, tuple)):
+            tokens = list(prompt)
+            self.detokenize(tokens)  # validates the ids
+            prompt_text = None
+        else:
+            raise ConfigError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not tokens:
+            raise ConfigError("the prompt is empty")
+        sampling = self._sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, frequency_penalty,
+                                  presence_penalty, seed, logit_bias)
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+        model_name = model or self.model_path
+        should_stop = _criteria(stopping_criteria, tokens, session) if stopping_criteria is not None else None
+        # primed: bad input and a prompt that cannot fit the budget raise here, not at the first next()
+        gen = self._primed(self._generate(tokens, max_tokens, sampling, tuple(stops), should_stop, generation))
+        cid = R.new_id()
+        echo_text = (prompt_text if prompt_text is not None else self.detokenize(tokens).decode("utf-8", "replace")
+                     ) if echo else ""
+        if stream:
+            return self._stream_completion(gen, cid, model_name, echo_text)
+        text = echo_text + "".join(gen)
+        st = self.last_stats
+        return R.completion(cid, model_name, text, R.finish_reason(st.stop_reason),
+                            R.usage(len(tokens), st.n_generated_tokens), self._extension(st))
+
+    __call__ = create_completion
+
+    def _generate(self, tokens, max_tokens, sampling, stops, should_stop, generation) -> Iterator[str]:
+        """Text pieces of one generation; fills ``self.last_stats`` (and the call's evictions) when done."""
+        session = self.session
+        stats = new_stats(session, tokens)
+        before = session.stats().n_evicted
+        try:
+            for piece in stream_generate(session, tokens, max_tokens, sampling, stops, stats, reuse_prefix=True,
+                                         should_stop=should_stop):
+                if generation != self._generation:
+                    raise ConfigError("this stream was superseded by a newer call on the same Llama")
+                if piece.text:
+                    yield piece.text
+        finally:
+            if not session.closed:
+                fill_session_stats(stats, session)
+            self._call_evicted = stats.n_evicted - before
+            self.last_stats = stats
+
+    @staticmethod
+    def _primed(it: Iterator) -> Iterator:
+        """Run an iterator to its first item now, so that bad input and a prompt that does not fit the budget
+        raise at the call, not at the first ``next()``; the item is replayed."""
+        sentinel = object()
+        first = next(it, sentinel)
+
+        def replay():
+            if first is not sentinel:
+                yield first
+            yield from it
+        return replay()
+
+    def _stream_completion(self, gen, cid, model_name, echo_text) -> Iterator[dict]:
+        import time
+
+        created = int(time.time())
+        yield R.completion_chunk(cid, created, model_name, echo_text)  # start (and echo) before the first token
+        for text in gen:
+            yield R.completion_chunk(cid, created, model_name, text)
+        st = self.last_stats
+        yield R.completion_chunk(cid, created, model_name, "", R.finish_reason(st.stop_reason), self._extension(st))
+
+    def _extension(self, st: GenerationStats) -> dict:
+        s = self.session.stats()
+        return {"policy": st.policy, "kv_budget": st.kv_budget, "live_cells": s.n_live, "max_live_cells": s.max_live,
+                "n_evicted": self._call_evicted, "n_evicted_total": s.n_evicted,
+                "kv_bytes": s.kv_bytes, "n_ctx": s.n_ctx, "flash_attn": s.flash_attn,
+                "prompt_tokens_reused": st.n_prompt_reused, "prompt_tokens_decoded": st.n_prompt_decoded,
+                "decode_tokens_per_s": round(st.decode_tokens_per_s, 3)}
+
+    # -- chat --------------------------------------------------------------------------------------------------------
+    def create_chat_completion(self, messages: list[dict], functions=None, function_call=None, tools=None,
+                               tool_choice=None, temperature: float | None = None, top_p: float | None = None,
+                               top_k: int = 40, min_p: float = 0.05, typical_p: float = 1.0, stream: bool = False,
+                               stop: str | list[str] | None = None, seed: int | None = None, response_format=None,
+                               max_tokens: int | None = None, presence_penalty: float = 0.0,
+                               frequency_penalty: float = 0.0, repeat_penalty: float = 1.0, tfs_z: float = 1.0,
+                               mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                               model: str | None = None, logits_processor=None, grammar=None, logit_bias=None,
+                               logprobs: bool | None = None, top_logprobs: int | None = None):
+        """A chat turn in OpenAI's shape (``choices[0].message`` or streamed ``delta``s), rendered by the chat
+        handler of this model; reasoning is split into ``reasoning_content``. The conversation's common prefix
+        with the previous call stays in the cache."""
+        check_messages(messages)
+        if response_format is not None and not isinstance(response_format, dict):
+            raise ConfigError(f"response_format must be a dict like {{'type': 'text'}}, got {response_format!r}")
+        self._refuse(tools=tools or functions, logprobs=logprobs, response_format=response_format is not None
+                     and response_format.get("type") not in (None, "text"))
+        self._last_rendered = ""
+        out = self.chat_handler(
+            llama=self, messages=messages, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            typical_p=typical_p, stream=stream, stop=stop, seed=seed, max_tokens=max_tokens,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
+            tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+            model=model, logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
+        opens = prompt_opens_thinking(self._last_rendered)
+        if stream:
+            return self._stream_chat(out, opens)
+        msg = out["choices"][0]["message"]
+        if self.reasoning_format == "deepseek":
+            reasoning, content = split_reasoning(msg.get("content") or "", opens)
+            msg["content"] = content
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+        out[R.EXTENSION] = self._extension(self.last_stats)
+        return out
+
+    def _stream_chat(self, chunks: Iterator[dict], opens: bool) -> Iterator[dict]:
+        splitter = ReasoningSplitter(opens) if self.reasoning_format == "deepseek" else None
+        for chunk in chunks:
+            choice = chunk["choices"][0]
+            delta = choice.get("delta") or {}
+            if choice.get("finish_reason") is not None:
+                if splitter is not None:
+                    reasoning, content = splitter.flush()
+                    yield from self._deltas(chunk, reasoning, content)
+                chunk[R.EXTENSION] = self._extension(self.last_stats)
+                yield chunk
+            elif "content" in delta and splitter is not None:
+                reasoning, content = splitter.feed(delta["content"] or "")
+                yield from self._deltas(chunk, reasoning, content)
+            else:
+                yield chunk
+
+    @staticmethod
+    def _deltas(template: dict, reasoning: str, content: str) -> Iterator[dict]:
+        if reasoning:
+            yield R.chat_delta_chunk(template, {"reasoning_content": reasoning})
+        if content:
+            yield R.chat_delta_chunk(template, {"content": content})

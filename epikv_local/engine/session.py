@@ -1,0 +1,267 @@
+"""A session: one budget-sized context, the capture a policy asked for, and the eviction engine.
+
+``Session`` owns the native objects it creates (capture handle, context) through one ``ExitStack`` and
+releases them in reverse order on ``close()``; the ``Model`` stays owned by the caller (and refuses to close
+while the session is open). It is the only place that decodes for generation: :meth:`Session.feed` decodes
+tokens in chunks, evicting first, and hands each decode's :class:`Observation` to the policy. Callers use its
+methods (``begin_prompt``, ``feed``, ``logits``, ``stats``, ``reset``), not its parts.
+
+One session serves one thread at a time: a second thread entering while a call runs gets a ConfigError
+instead of corrupting the sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ConfigError, NativeError
+from ..policies.base import Policy
+from .budget import BudgetConfig, EngineStats, EvictionEngine, context_cells
+from .capture import ROUTES, CapturePlan
+from .handles import KV_TYPES, Context, Model
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Context settings. n_batch: tokens per decode call (= ubatch); the context holds kv_budget + n_batch.
+
+    n_threads: llama.cpp threads (None: see ``handles.resolve_threads``).
+    capture_route: "layer_out" (patched API, default) or "callback" (C eval callback).
+    verify_flash_attn: probe the first decode's graph and fail if flash attention is not what ran.
+    type_k / type_v: KV cache element types (``handles.KV_TYPES``).
+    n_ctx: KV cells to allocate; None (default) = kv_budget + n_batch (``budget.context_cells``). A baseline
+        without eviction that should share an evicting run's context size sets it with kv_budget = n_ctx.
+    """
+
+    n_batch: int = 64
+    n_threads: int | None = None
+    flash_attn: bool = True
+    capture_route: str = "layer_out"
+    verify_flash_attn: bool = True
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_ctx: int | None = None
+
+    def __post_init__(self):
+        if self.capture_route not in ROUTES:
+            raise ConfigError(f"capture_route must be one of {ROUTES}, got {self.capture_route!r}")
+        if isinstance(self.n_batch, bool) or not isinstance(self.n_batch, int) or not 1 <= self.n_batch <= 65536:
+            raise ConfigError(f"n_batch must be an integer in 1..65536, got {self.n_batch!r}")
+        for what in ("type_k", "type_v"):
+            if getattr(self, what) not in KV_TYPES:
+                raise ConfigError(f"{what} must be one of {', '.join(KV_TYPES)}, got {getattr(self, what)!r}")
+
+
+@dataclass
+class SessionStats:
+    """A snapshot of a session. Units: cells, tokens, bytes, seconds."""
+
+    policy: str
+    kv_budget: int
+    n_ctx: int
+    n_live: int
+    n_past: int
+    n_evicted: int
+    n_rounds: int
+    max_live: int
+    kv_bytes: int
+    flash_attn: bool
+    capture_route: str | None
+    layers: list[int] = field(default_factory=list)
+    decode_seconds: float = 0.0
+    evict_seconds: float = 0.0
+
+
+class Session:
+    """Model + budget-sized context + capture + policy + eviction engine for sequence 0."""
+
+    def __init__(self, model: Model, policy: Policy, budget: BudgetConfig, cfg: SessionConfig | None = None,
+                 record: bool = False):
+        self.model = model
+        self.policy = policy
+        self.cfg = cfg or SessionConfig()
+        self._record = record
+        info = model.info
+        signals = policy.bind(info.shape)
+        if policy.needs_attention and self.cfg.flash_attn:
+            raise ConfigError(f"policy {policy.name!r} reads the attention matrix, which flash attention never "
+                              "materialises: run it with flash attention off (--no-flash-attn)")
+        plan = CapturePlan.build(signals, self.cfg.capture_route, self.cfg.verify_flash_attn)
+        n_ctx = self.cfg.n_ctx or context_cells(budget.kv_budget, self.cfg.n_batch)
+        if n_ctx < budget.kv_budget:
+            raise ConfigError(f"n_ctx {n_ctx} is smaller than kv_budget {budget.kv_budget}")
+        self._lock = threading.Lock()
+        with contextlib.ExitStack() as stack:
+            handle = plan.open(model.nat, info.n_embd, self.cfg.n_batch)
+            if handle is not None:
+                stack.callback(handle.close)  # freed after the context, which calls into it
+            self.ctx = stack.enter_context(Context(
+                model, n_ctx=n_ctx, n_batch=self.cfg.n_batch, flash_attn=self.cfg.flash_attn,
+                n_threads=self.cfg.n_threads, cb_eval=handle.cb_eval if handle else None,
+                cb_eval_user_data=handle.user_data if handle else 0, type_k=self.cfg.type_k, type_v=self.cfg.type_v))
+            self.capture = plan.attach(self.ctx, handle, info.arch)
+            self._stack = stack.pop_all()
+        self._new_engine(budget)
+        self.n_past = 0  # next position
+        self.tokens: list[int] = []  # the token decoded at each position 0 .. n_past - 1 (evicted ones too)
+        self.decode_seconds = 0.0
+
+    def _new_engine(self, budget: BudgetConfig) -> None:
+        self.engine = EvictionEngine(self.ctx, self.policy, budget, record=self._record)
+        self.ctx.set_kv_full_callback(self.engine.on_kv_full)
+
+    # -- ownership ----------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._stack is None
+
+    def close(self) -> None:
+        if getattr(self, "_stack", None) is not None:
+            stack, self._stack = self._stack, None
+            stack.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _use(self):
+        if self.closed:
+            raise NativeError("session is closed")
+        if not self._lock.acquire(blocking=False):
+            raise ConfigError("this session is in use by another thread: one session serves one generation at a "
+                              "time (use one session per thread)")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    # -- what callers read ---------------------------------------------------------------------------------
+    @property
+    def budget(self) -> BudgetConfig:
+        return self.engine.cfg
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Layers whose g is captured for the policy."""
+        return self.capture.plan.layers
+
+    @property
+    def flash_attn(self) -> bool | None:
+        """Whether flash attention ran (verified on the first decode); None before it or when not probed."""
+        return self.capture.flash_attn
+
+    @property
+    def graph_nodes(self) -> list[tuple[str, str]]:
+        """(name, op) of the first decode's graph nodes (when probed)."""
+        return self.capture.graph_nodes
+
+    @property
+    def events(self) -> list:
+        """The eviction rounds (``budget.EvictionEvent``) since the last reset, when created with record=True."""
+        return self.engine.stats.events
+
+    def live_positions(self) -> np.ndarray:
+        """(N,) int64 positions of sequence 0 held in the cache, ascending."""
+        return self.engine.live_positions()
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """(n_vocab,) float32 logits of output row i of the last decode (a view: copy to keep)."""
+        return self.ctx.logits(i)
+
+    def stats(self) -> SessionStats:
+        st: EngineStats = self.engine.stats
+        return SessionStats(
+            policy=self.policy.name, kv_budget=self.budget.kv_budget, n_ctx=self.ctx.n_ctx, n_live=self.engine.n_live,
+            n_past=self.n_past, n_evicted=st.n_evicted, n_rounds=st.n_rounds, max_live=st.max_live,
+            kv_bytes=self.ctx.kv_bytes, flash_attn=bool(self.flash_attn) and self.cfg.flash_attn,
+            capture_route=self.cfg.capture_route if self.layers else None, layers=list(self.layers),
+            decode_seconds=self.decode_seconds, evict_seconds=st.evict_seconds)
+
+    # -- decoding -----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new sequence: clear the cache and the policy's, capture's and engine's state."""
+        with self._use():
+            self.ctx.clear()
+            self.policy.reset()
+            self.capture.reset()
+            self._new_engine(self.budget)
+            self.n_past = 0
+            self.tokens = []
+
+    def rewind_to_prefix(self, tokens: list[int]) -> int:
+        """Keep the longest common prefix of the sequence and ``tokens`` (cache, evictions and all), drop the
+        rest, and return where feeding ``tokens`` must resume: ``tokens[start:]`` goes next, and at least the
+        last token is always left to feed (its logits are needed).
+
+        The resume point can lie before the common prefix when the tokens just before it were evicted
+        (llama.cpp continues a sequence only after its last stored position); those are decoded again. The
+        policy keeps its running statistics of the dropped tokens (an approximation: kept tokens' scores are
+        unchanged, re-decoded tokens are scored afresh).
+        """
+        with self._use():
+            n = 0
+            limit = min(len(tokens) - 1, len(self.tokens))
+            while n < limit and self.tokens[n] == tokens[n]:
+                n += 1
+            if n < self.n_past:
+                self.n_past = self.engine.truncate(n)
+                del self.tokens[self.n_past:]
+            return self.n_past
+
+    def check_prompt(self, n_prompt: int) -> None:
+        """BudgetError if a prompt of ``n_prompt`` tokens could not be fed now (nothing is changed)."""
+        self.engine.check_prompt(n_prompt)
+
+    def sample(self, sampler) -> int:
+        """Sample the next token from the last decode's logits with a llama.cpp sampler chain
+        (``api.sampling.Sampler``)."""
+        with self._use():
+            return sampler.sample(self.ctx.handle)
+
+    def begin_prompt(self, n_prompt: int) -> None:
+        """The next ``n_prompt`` tokens fed are a prompt: check that it fits the budget (BudgetError) and
+        protect it when the budget says so. Only the prompt that starts a sequence is protected: a later turn's
+        prompt continues the conversation and is covered by the recent window like any new token."""
+        if self.n_past == 0:
+            self.engine.begin_prompt(0, n_prompt)
+
+    def feed(self, tokens: list[int], logits: str = "last", is_prompt: bool = False) -> None:
+        """Decode tokens at the next positions, in chunks, evicting before each chunk.
+
+        logits: "last" (logits of the final token only) or "all" (every token of each chunk; only the last
+        chunk's rows stay readable through :meth:`logits`).
+        """
+        if logits not in ("last", "all"):
+            raise ConfigError(f"logits must be 'last' or 'all', got {logits!r}")
+        if not tokens:
+            return
+        if is_prompt:
+            self.begin_prompt(len(tokens))
+        chunk = self.engine.prefill_chunk(self.cfg.n_batch) if len(tokens) > 1 else 1
+        for i in range(0, len(tokens), chunk):
+            part = tokens[i:i + chunk]
+            self.decode_chunk(part, logits_all=(logits == "all"), logits_last=(i + chunk >= len(tokens)))
+
+    def decode_chunk(self, part: list[int], logits_all: bool = False, logits_last: bool = True) -> None:
+        """Evict if needed, decode ``part`` (<= n_batch tokens) at the next positions, score the new tokens."""
+        with self._use():
+            n = len(part)
+            self.engine.make_room(n)
+            pos = np.arange(self.n_past, self.n_past + n, dtype=np.int64)
+            t0 = time.perf_counter()
+            self.ctx.decode(part, pos, logits_last=logits_last, logits_all=logits_all)
+            self.decode_seconds += time.perf_counter() - t0
+            self.engine.on_decoded(pos)
+            self.n_past += n
+            self.tokens.extend(int(t) for t in part)
+            obs = self.capture.observe(pos)
+            self.capture.check_flash_attn(self.cfg.flash_attn)
+            self.policy.observe(obs)

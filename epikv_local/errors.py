@@ -1,0 +1,66 @@
+"""The package's exceptions: every expected failure is an :class:`EpikvError`.
+
+Front doors (the CLI, the scripts, the coming server) catch ``EpikvError`` only and show its first line;
+anything else is a bug and keeps its traceback. The subclasses also derive from the matching built-in
+(``ValueError`` for bad input, ``RuntimeError`` for native failures) so that ``except ValueError`` code
+written against llama-cpp-python keeps working. This module imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+
+class EpikvError(Exception):
+    """Base class of every expected epikv-local failure (one-line message naming the problem)."""
+
+
+class ConfigError(EpikvError, ValueError):
+    """A setting is out of range or inconsistent (budget, sampling, policy option, layer index, ...)."""
+
+
+class BudgetError(ConfigError):
+    """The KV budget cannot hold what must be protected (sinks, recent window, prompt)."""
+
+
+class ModelError(EpikvError, ValueError):
+    """The model file or its architecture cannot be used."""
+
+
+class DataError(EpikvError, ValueError):
+    """An input data file (traces, labels, calibration) is missing or malformed."""
+
+
+class NativeError(EpikvError, RuntimeError):
+    """A native call failed; the message names the call and includes llama.cpp's last error lines."""
+
+
+class KVFullError(NativeError):
+    """llama_decode found no KV slot for the batch (return code 1) even after the kv-full hook ran."""
+
+
+class FlashAttnError(NativeError):
+    """Flash attention was requested but the decode graph did not run it."""
+
+
+class DefaultModelError(EpikvError, RuntimeError):
+    """The default model could not be fetched or verified."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when empty)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def run_main(prog: str, main, argv=None) -> int:
+    """Run ``main(argv) -> int`` as a command: an EpikvError becomes one ``<prog>: error: ...`` line on stderr
+    and exit status 2, Ctrl-C exit status 130 without a traceback; every other exception propagates."""
+    import sys
+
+    try:
+        return main(argv)
+    except EpikvError as e:
+        print(f"{prog}: error: {first_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

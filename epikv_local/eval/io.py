@@ -1,0 +1,68 @@
+"""Reading JSONL inputs with one clear error per bad line; writing results: JSON with numpy scalars and NaN cleaned, written atomically (no half-written file)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError
+
+
+def to_json(res: dict) -> str:
+    def conv(o):
+        if isinstance(o, (np.floating,)):
+            return float(o)
+        if isinstance(o, (np.integer,)):
+            return int(o)
+        raise TypeError(type(o))
+
+    def clean(o):
+        if isinstance(o, float) and np.isnan(o):
+            return None
+        if isinstance(o, dict):
+            return {k: clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        return o
+
+    return json.dumps(clean(res), indent=2, default=conv)
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, renamed into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_jsonl(path: str | os.PathLike, what: str = "file") -> list[tuple[int, dict]]:
+    """(line number, record) of every non-blank line of a JSONL file; DataError naming the file and line when
+    it is missing, not UTF-8, or a line is not a JSON object."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{what} not found: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{i + 1}: not JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise DataError(f"{path}:{i + 1}: not a JSON object")
+        out.append((i + 1, rec))
+    return out
