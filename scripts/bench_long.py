@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     max_seconds = args.max_seconds if args.full_cache and args.max_seconds > 0 else None
 
     path = check_gguf(args.model) if args.model else default_model_path()
-    traces = default_dev_traces()  # ../shared/data/r1_traces_dev.jsonl; DataError when absent
+    traces = default_dev_traces()  # ../shared/data/r1_traces_dev.jsonl, else the packaged dev traces
     rss0, rss_src = rss_bytes()
     summary: dict = {
         "benchmark": "long generation: tokens/s and memory sampled along the run",

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         if v not in VARIANTS:
             raise ConfigError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
     path = check_gguf(args.model) if args.model else default_model_path()
-    traces = default_dev_traces()  # ../shared/data/r1_traces_dev.jsonl; DataError when absent
+    traces = default_dev_traces()  # ../shared/data/r1_traces_dev.jsonl, else the packaged dev traces
     with Model(path) as model:
         text = "\n".join(json.loads(line)["trace"] for line in traces.read_text().splitlines()[:6])
         prompt = model.tokenize(text)[: args.kv_budget - args.batch]

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     from epikv_local.eval.traces import default_dev_traces
 
     path = check_gguf(args.model) if args.model else default_model_path()
-    traces = default_dev_traces()  # ../shared/data/r1_traces_dev.jsonl; DataError when absent
+    traces = default_dev_traces()  # ../shared/data/r1_traces_dev.jsonl, else the packaged dev traces
     t_start = time.time()
     with Model(path) as model:
         text = "\n".join(json.loads(line)["trace"] for line in traces.read_text().splitlines()[:12])

@@ -12,21 +12,21 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    from epikv_local.default_model import default_model_path
+    from epikv_local.api.models import default_model_path
 
     return default_model_path(fetch=False)
 
 
 @pytest.fixture(scope="session")
 def nat():
-    from epikv_local.native import load
+    from epikv_local.engine.native import load
 
     return load()
 
 
 @pytest.fixture(scope="session")
 def model(nat, model_path):
-    from epikv_local.model import Model
+    from epikv_local.engine.handles import Model
 
     with Model(model_path, native=nat) as m:
         yield m

@@ -99,3 +99,18 @@ def test_default_model_ships_its_calibration(model_path, tmp_path, monkeypatch):
     # explicit settings win over the calibration; a non-calibratable policy never takes one
     assert resolve_policy("epikv", model_path, {"window": 64}).calibration is None
     assert resolve_policy("streaming", model_path).calibration is None
+
+
+def test_calibrate_from_an_installed_package_without_shared_data(model_path, tmp_path):
+    """Run from another folder (the installed package, not this checkout): the packaged dev traces are used."""
+    env = {**os.environ, "EPIKV_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("PYTHONPATH", None)
+    code = ("import epikv_local.eval.traces as t, sys; print(t.default_dev_traces());"
+            "from epikv_local.cli import main; sys.exit(main(['calibrate', '--model', sys.argv[1], '--quick',"
+            " '--threads', '2', '--out', sys.argv[2]]))")
+    r = subprocess.run([sys.executable, "-c", code, str(model_path), str(tmp_path / "cal.json")], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    used = Path(r.stdout.splitlines()[0])
+    assert used.name == "dev_traces.jsonl" and "site-packages" in str(used)
+    assert json.loads((tmp_path / "cal.json").read_text())["traces"] == str(used)

@@ -81,16 +81,43 @@ def test_architecture_without_l_out(tmp_path):
     one_line_error(r, "could not load")
 
 
-def test_readme_python_example_runs(tmp_path):
-    """The README's Python example, executed as written (on the cached default model)."""
+def test_readme_python_examples_run(tmp_path, model_path):
+    """The README's Python examples, executed as written; the drop-in snippet gets the cached default model for
+    its GGUF file and a token limit (the small model could otherwise ramble for a long time)."""
     import re
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-    assert blocks, "README has no python example"
-    script = tmp_path / "example.py"
-    script.write_text(blocks[0])
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    assert len(blocks) >= 2, "README needs the drop-in snippet and the engine example"
+    drop_in = blocks[0]
+    assert "from epikv_local import Llama" in drop_in and "kv_budget" in drop_in
+    drop_in = re.sub(r'model_path="[^"]+"', f"model_path={str(model_path)!r}", drop_in)
+    drop_in = drop_in.replace("stream=True)", "stream=True, max_tokens=48)")
+    for i, code in enumerate([drop_in, blocks[1]]):
+        script = tmp_path / f"example{i}.py"
+        script.write_text(code)
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip()
     assert "live cells:" in r.stdout
+
+
+def test_llama_cpp_style_flags_text_on_stdout_stats_on_stderr(model_path):
+    r = cli("generate", "-m", str(model_path), "-p", "Say hi.", "--chat", "--system", "Be brief.", "-n", "12",
+            "-ngl", "-1", "-ctk", "q8_0", "-ctv", "q8_0", "--temp", "0", "-s", "3", "-t", "1", "--kv-budget", "96")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "policy=" not in r.stdout
+    stats = r.stderr.strip().splitlines()[-1]
+    assert "policy=epikv" in stats and "flash_attn=True" in stats and "n_generated_tokens=" in stats
+
+
+def test_version_and_help_show_defaults():
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("epikv-local ")
+    h = cli("generate", "--help").stdout
+    assert "(default: 0.6)" in h and "(default: -1)" in h and "-ngl" in h and "-ctk" in h
+
+
+def test_system_without_chat_is_one_line(model_path):
+    one_line_error(cli("generate", "-m", str(model_path), "-p", "hi", "--system", "x"), "--system needs --chat")

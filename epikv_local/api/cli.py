@@ -36,17 +36,22 @@ def _policy_help() -> str:
 
 
 def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
+    from ..engine.handles import KV_TYPES
+
     if not demo:
-        p.add_argument("--model", required=True, help="path to a GGUF model file")
-        p.add_argument("--prompt", required=True, help="prompt text")
+        p.add_argument("-m", "--model", required=True, help="path to a GGUF model file")
+        p.add_argument("-p", "--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", default=demo, help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=600 if demo else 256)
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("-n", "--max-tokens", type=int, default=600 if demo else None,
+                   help="stop after this many tokens (default: none for generate, the KV budget bounds memory)")
     p.add_argument("--kv-budget", type=int, default=256 if demo else 2048, help="maximum live KV cells")
-    p.add_argument("--policy", choices=sorted(REGISTRY), default="epikv", help=_policy_help())
-    p.add_argument("--n-sink", type=int, default=4)
+    p.add_argument("--policy", "--kv-policy", dest="policy", choices=sorted(REGISTRY), default="epikv",
+                   help=_policy_help())
+    p.add_argument("--n-sink", type=int, default=4, help="first tokens never evicted")
     p.add_argument("--n-recent", type=int, default=None,
                    help="recent tokens kept (default: the recent share of the budget, 0.5 or the calibration's)")
-    p.add_argument("--evict-chunk", type=int, default=16)
+    p.add_argument("--evict-chunk", type=int, default=16, help="minimum positions evicted per round")
     p.add_argument("--no-protect-prompt", action="store_true", help="allow evicting prompt tokens")
     p.add_argument("--layers", type=_layers_arg, default=None,
                    help="policy setting 'layers': EPIKV layers A[,B] of this model (default: 10,21 of 32 mapped "
@@ -54,24 +59,35 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--window", type=int, default=None,
                    help="policy setting 'window': rolling z-score window in tokens (default 128, or the "
                         "model's calibration)")
-    p.add_argument("--capture", choices=["layer_out", "callback"], default="layer_out")
+    p.add_argument("--capture", choices=["layer_out", "callback"], default="layer_out", help="capture route of g")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
+                   help="layers offloaded to the GPU on a GPU build (-1: all; CPU builds ignore it)")
+    p.add_argument("-ctk", "--cache-type-k", choices=list(KV_TYPES), default="f16", help="KV cache type of K")
+    p.add_argument("-ctv", "--cache-type-v", choices=list(KV_TYPES), default="f16", help="KV cache type of V")
     p.add_argument("--no-flash-attn", action="store_true", help="run with flash attention off")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.6,
+                   help="sampling temperature (<= 0: greedy); 0.6 as reasoning model cards recommend")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0, help="(0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="(0: off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="(1: off)")
+    p.add_argument("-s", "--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: CPUs available - 1)")
-    p.add_argument("--batch", type=int, default=64, help="tokens per decode call (ubatch)")
-    p.add_argument("--json", action="store_true", help="print one JSON object with text and stats at the end")
+    p.add_argument("-t", "--threads", type=int, default=None, help="llama.cpp threads (default: CPUs available - 1)")
+    p.add_argument("-b", "--batch", type=int, default=64, help="tokens per decode call (ubatch)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with the text and the statistics instead of streaming")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
 
 
 def add_commands(sub) -> dict:
     """Add the product's subcommands to ``sub``; returns {command name: runner(args) -> exit status}."""
-    _add_run_args(sub.add_parser("generate", help="generate text under a KV budget"), demo=False)
-    _add_run_args(sub.add_parser("demo", help="reasoning prompt on the default model (SmolLM2-135M)"), demo=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    _add_run_args(sub.add_parser("generate", help="generate text under a KV budget", formatter_class=fmt),
+                  demo=False)
+    _add_run_args(sub.add_parser("demo", help="reasoning prompt on the default model (SmolLM2-135M)",
+                                 formatter_class=fmt), demo=True)
     sub.add_parser("fetch-model", help="download and cache the default model; print its path")
     return {"generate": run_generate, "demo": run_generate, "fetch-model": run_fetch_model}
 
@@ -95,7 +111,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from .models import default_model_path
     from .sampling import SamplingConfig
 
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     model_path = default_model_path() if args.cmd == "demo" else check_gguf(args.model)
     prompt = DEMO_PROMPT if args.cmd == "demo" else args.prompt
@@ -103,12 +119,15 @@ def run_generate(args: argparse.Namespace) -> int:
     budget = BudgetConfig(kv_budget=args.kv_budget, n_sink=args.n_sink, n_recent=args.n_recent,
                           recent_fraction=resolved.recent_fraction, protect_prompt=not args.no_protect_prompt,
                           evict_chunk=args.evict_chunk)
-    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              min_p=args.min_p, repeat_penalty=args.repeat_penalty)
     scfg = SessionConfig(n_batch=args.batch, n_threads=args.threads, capture_route=args.capture,
-                         flash_attn=not args.no_flash_attn)
+                         flash_attn=not args.no_flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v)
+    if args.system and not args.chat:
+        raise ConfigError("--system needs --chat (the system message goes into the chat template)")
     nat = load(verbose=args.verbose)
-    with Model(model_path, native=nat) as model:
-        text = apply_chat_template(model, prompt) if args.chat else prompt
+    with Model(model_path, n_gpu_layers=args.n_gpu_layers, native=nat) as model:
+        text = apply_chat_template(model, prompt, system=args.system) if args.chat else prompt
         tokens = tokenize_prompt(model, text)
         stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
         with Session(model, resolved.policy, budget, scfg) as session:
@@ -122,10 +141,11 @@ def run_generate(args: argparse.Namespace) -> int:
         stats["text"] = result.text
         stats["model"] = str(model_path)
         print(json.dumps(stats))
-    else:
-        sys.stdout.write("\n\n")
+    else:  # the text went to stdout as it was generated; the statistics go to stderr
+        sys.stdout.write("\n")
+        sys.stdout.flush()
         keys = ["policy", "kv_budget", "n_prompt_tokens", "n_generated_tokens", "n_evicted", "max_live_cells",
                 "decode_tokens_per_s", "prefill_tokens_per_s", "kv_bytes", "flash_attn", "capture_route", "layers",
                 "stop_reason"]
-        print("  ".join(f"{k}={stats[k]}" for k in keys))
+        print("  ".join(f"{k}={stats[k]}" for k in keys), file=sys.stderr)
     return 0

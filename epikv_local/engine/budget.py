@@ -188,18 +188,21 @@ class EvictionEngine:
         return self.newest + 1
 
     # -- eviction -----------------------------------------------------------------------------------------
-    def protected(self, positions: np.ndarray) -> np.ndarray:
-        # the newest position always stays: llama.cpp requires new tokens to follow a sequence's last position
-        return protected_mask(positions, n_sink=self.cfg.n_sink, n_recent=max(1, self.recent),
-                              newest_pos=self.newest,
+    def protected(self, positions: np.ndarray, incoming: int = 0) -> np.ndarray:
+        """Protection mask of live positions. incoming > 0 counts the recent window from the newest position
+        *after* that many new tokens (the window slides over them)."""
+        mask = protected_mask(positions, n_sink=self.cfg.n_sink, n_recent=max(1, self.recent),
+                              newest_pos=self.newest + incoming,
                               prompt_end=self.prompt_end if self.cfg.protect_prompt else None)
+        # the newest position always stays: llama.cpp requires new tokens to follow a sequence's last position
+        return mask | (positions == self.newest)
 
-    def evict(self, n: int, reason: str = "budget") -> int:
+    def evict(self, n: int, reason: str = "budget", incoming: int = 0) -> int:
         """Evict up to n positions (lowest scores, unprotected). Returns how many were evicted."""
         t0 = time.perf_counter()
         pos = self.live_positions()
         scores = self.policy.score(pos)
-        prot = self.protected(pos)
+        prot = self.protected(pos, incoming)
         victims = select_evictions(pos, scores, prot, n)
         if len(victims):
             removed = self.ctx.seq_rm_positions(victims)
@@ -222,6 +225,10 @@ class EvictionEngine:
         if not self.policy.evicts:
             raise BudgetError(f"KV budget {self.cfg.kv_budget} is full and policy 'none' does not evict")
         got = self.evict(max(need, self.cfg.evict_chunk))
+        if got < need:
+            # a multi-token chunk (a later chat turn's prompt) can need more room than the window in front of
+            # it leaves: the recent window then slides over the incoming tokens, which are the newest after it
+            got += self.evict(need - got, reason="budget_window", incoming=n_new)
         if got < need:
             raise BudgetError(
                 f"cannot free {need} KV cells within budget {self.cfg.kv_budget}: only {got} unprotected "

@@ -91,6 +91,10 @@ class Session:
         if policy.needs_attention and self.cfg.flash_attn:
             raise ConfigError(f"policy {policy.name!r} reads the attention matrix, which flash attention never "
                               "materialises: run it with flash attention off (--no-flash-attn)")
+        if policy.needs_attention and self.cfg.type_v not in ("f16", "f32", "bf16"):
+            raise ConfigError(f"policy {policy.name!r} needs flash attention off, and llama.cpp quantizes the V cache "
+                              f"({self.cfg.type_v}) only with flash attention on: use an attention-free policy or "
+                              "an f16 V cache")
         plan = CapturePlan.build(signals, self.cfg.capture_route, self.cfg.verify_flash_attn)
         n_ctx = self.cfg.n_ctx or context_cells(budget.kv_budget, self.cfg.n_batch)
         if n_ctx < budget.kv_budget:

@@ -23,7 +23,8 @@ def add_commands(sub) -> dict:
     lp.add_argument("--threads", type=int, default=None)
     cp = sub.add_parser("calibrate", help="choose EPIKV layers/window/recent share for a model on dev traces")
     cp.add_argument("--model", help="GGUF model (default: the cached default model)")
-    cp.add_argument("--traces", help="dev JSONL traces (default: ../shared/data/r1_traces_dev.jsonl)")
+    cp.add_argument("--traces", help="dev JSONL traces (default: ../shared/data/r1_traces_dev.jsonl beside a source checkout, "
+                         "else the dev traces shipped with the package)")
     cp.add_argument("--quick", action="store_true", help="tiny grid on one short trace (smoke test)")
     cp.add_argument("--full-grid", action="store_true", help="search the Cartesian grid, not coordinate-wise")
     cp.add_argument("--n-traces", type=int, default=None, help="dev traces for the fidelity grid (default 3)")
