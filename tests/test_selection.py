@@ -122,3 +122,30 @@ def test_mask_then_select_end_to_end():
     sc = np.array([0, 0, 5, -1, 2, -3, 4, 1, 0, -7, -8, -9], float)
     prot = protected_mask(pos, n_sink=2, n_recent=3, newest_pos=11, prompt_end=None)
     np.testing.assert_array_equal(select_evictions(pos, sc, prot, 3), [3, 5, 8])
+
+
+def _reference_select(positions, scores, protected, n):
+    """The definition, by a full lexsort: NaN first, then score ascending, then older position first."""
+    pos, sc = np.asarray(positions, np.int64), np.asarray(scores, np.float64)
+    cand = ~np.asarray(protected, bool)
+    cpos, csc = pos[cand], sc[cand]
+    isnan = np.isnan(csc)
+    order = np.lexsort((cpos, np.where(isnan, 0.0, csc), ~isnan))
+    return np.sort(cpos[order[:min(n, len(cpos))]])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_partition_selection_equals_the_full_sort_definition(seed):
+    rng = np.random.default_rng(seed)
+    N = int(rng.integers(1, 400))
+    pos = np.sort(rng.choice(10 * N, size=N, replace=False))
+    if seed % 3 == 0:
+        pos = rng.permutation(pos)  # unsorted input is sorted internally
+    kind = seed % 4
+    sc = {0: rng.normal(size=N), 1: rng.integers(0, 3, N).astype(float), 2: np.full(N, 0.5),
+          3: np.where(rng.random(N) < 0.3, np.nan, rng.normal(size=N))}[kind]
+    if seed % 5 == 0:
+        sc[rng.random(N) < 0.1] = -np.inf
+    prot = rng.random(N) < 0.3
+    for n in (0, 1, 7, N // 2, N, N + 5):
+        np.testing.assert_array_equal(select_evictions(pos, sc, prot, n), _reference_select(pos, sc, prot, n))

@@ -62,6 +62,8 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--capture", choices=["layer_out", "callback"], default="layer_out", help="capture route of g")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
                    help="layers offloaded to the GPU on a GPU build (-1: all; CPU builds ignore it)")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
+                   help="offload layers to llama.cpp rpc-server processes (trusted network only; docs/rpc.md)")
     p.add_argument("-ctk", "--cache-type-k", choices=list(KV_TYPES), default="f16", help="KV cache type of K")
     p.add_argument("-ctv", "--cache-type-v", choices=list(KV_TYPES), default="f16", help="KV cache type of V")
     p.add_argument("--no-flash-attn", action="store_true", help="run with flash attention off")
@@ -79,6 +81,12 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the text and the statistics instead of streaming")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
+    p.add_argument("--html", metavar="PATH", default=None,
+                   help="also write a self-contained HTML token view of the run: every token coloured by its "
+                        "policy score, evicted ones struck through (docs/token_view.md)")
+    p.add_argument("--html-compare", metavar="POLICY", default=None,
+                   help="with --html: run the same prompt and settings under POLICY too (its own defaults or "
+                        "calibration) and show both runs side by side")
 
 
 def add_commands(sub) -> dict:
@@ -89,7 +97,38 @@ def add_commands(sub) -> dict:
     _add_run_args(sub.add_parser("demo", help="reasoning prompt on the default model (SmolLM2-135M)",
                                  formatter_class=fmt), demo=True)
     sub.add_parser("fetch-model", help="download and cache the default model; print its path")
-    return {"generate": run_generate, "demo": run_generate, "fetch-model": run_fetch_model}
+    from . import server, terminal  # their heavy dependencies are imported by run(), not here
+
+    server.add_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server with a KV budget", formatter_class=fmt))
+    terminal.add_args(sub.add_parser("chat", help="interactive terminal chat on one budgeted cache",
+                                     formatter_class=fmt))
+    rp = sub.add_parser("rpc-server", help="llama.cpp's rpc-server (built with this package): lend this machine's "
+                                           "backend to another machine's epikv-local --rpc; trusted networks only")
+    rp.add_argument("rpc_args", nargs=argparse.REMAINDER, help="its options: -H HOST (default 127.0.0.1), -p PORT, "
+                                                               "-t THREADS, -d DEVICES, -c")
+    return {"generate": run_generate, "demo": run_generate, "fetch-model": run_fetch_model, "serve": server.run,
+            "chat": terminal.run, "rpc-server": run_rpc_server}
+
+
+def rpc_server_path():
+    """The rpc-server binary installed with the package; NativeError when this build has none."""
+    from pathlib import Path
+
+    from ..engine.native import default_lib_dir
+    from ..errors import NativeError
+
+    exe = Path(default_lib_dir()).parent / "bin" / "epikv-rpc-server"
+    if not exe.is_file():
+        raise NativeError("this build has no rpc-server: rebuild with CMAKE_ARGS=\"-DGGML_RPC=ON\" (rm -rf build "
+                          "first)")
+    return exe
+
+
+def run_rpc_server(args) -> int:
+    import os
+
+    exe = rpc_server_path()
+    os.execv(str(exe), [str(exe), *args.rpc_args])
 
 
 def run_fetch_model(args) -> int:
@@ -113,6 +152,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if any(not s for s in args.stop):
+        raise ConfigError("--stop takes a non-empty string")
     model_path = default_model_path() if args.cmd == "demo" else check_gguf(args.model)
     prompt = DEMO_PROMPT if args.cmd == "demo" else args.prompt
     resolved = resolve_policy(args.policy, model_path, {"layers": args.layers, "window": args.window})
@@ -125,21 +166,40 @@ def run_generate(args: argparse.Namespace) -> int:
                          flash_attn=not args.no_flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v)
     if args.system and not args.chat:
         raise ConfigError("--system needs --chat (the system message goes into the chat template)")
+    if args.html_compare and not args.html:
+        raise ConfigError("--html-compare needs --html PATH (the page the two runs are shown on)")
+    view = None
+    if args.html:  # checks the output path and the comparison policy before anything runs
+        from .tokenview import PageBuilder, page_meta
+
+        view = PageBuilder(args.html, args.html_compare, model_path, scfg)
     nat = load(verbose=args.verbose)
-    with Model(model_path, n_gpu_layers=args.n_gpu_layers, native=nat) as model:
+    with Model(model_path, n_gpu_layers=args.n_gpu_layers, native=nat, rpc_servers=args.rpc) as model:
         text = apply_chat_template(model, prompt, system=args.system) if args.chat else prompt
         tokens = tokenize_prompt(model, text)
         stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-        with Session(model, resolved.policy, budget, scfg) as session:
+        with Session(model, resolved.policy, budget, scfg, record=view is not None) as session:
             session.check_prompt(len(tokens))
             if resolved.calibration is not None:  # said once the settings are known to work: errors stay one line
                 print(f"epikv-local: using calibration {resolved.calibration.path}", file=sys.stderr)
             result = generate(session, tokens, args.max_tokens, sampling, tuple(args.stop), on_text=stream,
                               ignore_eog=args.ignore_eos)
+            if view is not None:
+                view.add(session, tokens, result, resolved.calibration.path if resolved.calibration else None)
+        if view is not None:
+            view.run_compare(model, tokens, budget, scfg, sampling, args.max_tokens, tuple(args.stop),
+                             args.ignore_eos)
+    if view is not None:
+        view.write(prompt, page_meta(model_path, sampling, args.chat))
     stats = result.stats.as_dict()
+    compared = [] if view is None else [r.stats.as_dict() for r in view.runs[1:]]
     if args.json:
         stats["text"] = result.text
         stats["model"] = str(model_path)
+        if view is not None:
+            stats["html"] = str(view.out)
+            if compared:
+                stats["compare"] = {**compared[0], "text": view.runs[1].text}
         print(json.dumps(stats))
     else:  # the text went to stdout as it was generated; the statistics go to stderr
         sys.stdout.write("\n")
@@ -147,5 +207,8 @@ def run_generate(args: argparse.Namespace) -> int:
         keys = ["policy", "kv_budget", "n_prompt_tokens", "n_generated_tokens", "n_evicted", "max_live_cells",
                 "decode_tokens_per_s", "prefill_tokens_per_s", "kv_bytes", "flash_attn", "capture_route", "layers",
                 "stop_reason"]
-        print("  ".join(f"{k}={stats[k]}" for k in keys), file=sys.stderr)
+        for st in [stats] + compared:
+            print("  ".join(f"{k}={st[k]}" for k in keys), file=sys.stderr)
+        if view is not None:
+            print(f"epikv-local: token view written to {view.out}", file=sys.stderr)
     return 0

@@ -68,6 +68,12 @@ def generate_step(session: Session, prompt_tokens: list[int], sampler: Sampler,
     """
     if not prompt_tokens:
         raise ConfigError("the prompt is empty")
+    with session.generation():
+        yield from _steps(session, prompt_tokens, sampler, stats, reuse_prefix)
+
+
+def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, stats: GenerationStats | None,
+           reuse_prefix: bool) -> Iterator[int]:
     t0 = time.perf_counter()
     if reuse_prefix:
         start = session.rewind_to_prefix(prompt_tokens)

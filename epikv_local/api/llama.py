@@ -121,6 +121,7 @@ class Llama:
         ignore it).
     flash_attn: on by default (attention-free eviction keeps it on; the attention-based policies need it off).
     reasoning_format: "deepseek" (split ``<think>`` into ``reasoning_content``) or "none".
+    rpc_servers: ``"host:port,host:port"`` of llama.cpp ``rpc-server`` processes to offload layers to (docs/rpc.md).
     """
 
     def __init__(self, model_path: str | os.PathLike, *, n_gpu_layers: int = -1, n_ctx: int | None = None,
@@ -129,7 +130,8 @@ class Llama:
                  chat_handler=None, verbose: bool = False, kv_budget: int | None = None, kv_policy: str = "epikv",
                  kv_policy_settings: dict | None = None, n_sink: int = 4, n_recent: int | None = None,
                  recent_fraction: float | None = None, protect_prompt: bool = True, evict_chunk: int = 16,
-                 reasoning_format: str = "deepseek", capture_route: str = "layer_out", **kwargs: Any):
+                 reasoning_format: str = "deepseek", capture_route: str = "layer_out",
+                 rpc_servers: str | list[str] | None = None, **kwargs: Any):
         unknown = sorted(set(kwargs) - IGNORED_ARGS)
         if unknown:
             raise TypeError(f"Llama() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
@@ -166,7 +168,8 @@ class Llama:
         self.calibration = resolved.calibration
         with contextlib.ExitStack() as stack:
             nat = load(verbose=verbose)
-            self._model = stack.enter_context(Model(model_path, n_gpu_layers=n_gpu_layers, native=nat))
+            self._model = stack.enter_context(Model(model_path, n_gpu_layers=n_gpu_layers, native=nat,
+                                                    rpc_servers=rpc_servers))
             self._session = stack.enter_context(Session(self._model, resolved.policy, budget, scfg))
             self._stack = stack.pop_all()
         self.chat_format, self.chat_handler = self._chat_handler(chat_format, chat_handler)
@@ -283,7 +286,31 @@ class Llama:
         """Forget the conversation: the next call starts a new sequence."""
         with self._lock:
             self._generation += 1
+            self._close_active()
             self.session.reset()
+
+    def save_session(self, path: str | os.PathLike) -> None:
+        """Save the conversation's cache (with its evictions), bookkeeping and policy state to a file
+        (``Session.save_state``); ``load_session`` continues it with identical logits."""
+        with self._lock:
+            self._close_active()
+            self.session.save_state(path)
+
+    def load_session(self, path: str | os.PathLike) -> None:
+        """Continue a conversation saved by :meth:`save_session` (same model file and cache types)."""
+        with self._lock:
+            self._generation += 1
+            self._close_active()
+            self.session.load_state(path)
+
+    def _close_active(self) -> None:
+        """End an older stream still being read (a new call supersedes it; its generation state is closed)."""
+        gen, self._active = getattr(self, "_active", None), None
+        if gen is not None:
+            try:
+                gen.close()
+            except ValueError:  # running in another thread right now: the session refuses the new call instead
+                pass
 
     # -- completions -------------------------------------------------------------------------------------------
     def _sampling(self, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, frequency_penalty,
@@ -341,10 +368,13 @@ class Llama:
         with self._lock:
             self._generation += 1
             generation = self._generation
+            self._close_active()
         model_name = model or self.model_path
         should_stop = _criteria(stopping_criteria, tokens, session) if stopping_criteria is not None else None
         # primed: bad input and a prompt that cannot fit the budget raise here, not at the first next()
-        gen = self._primed(self._generate(tokens, max_tokens, sampling, tuple(stops), should_stop, generation))
+        raw = self._generate(tokens, max_tokens, sampling, tuple(stops), should_stop, generation)
+        self._active = raw
+        gen = self._primed(raw)
         cid = R.new_id()
         echo_text = (prompt_text if prompt_text is not None else self.detokenize(tokens).decode("utf-8", "replace")
                      ) if echo else ""

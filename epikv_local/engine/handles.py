@@ -46,6 +46,27 @@ KV_TYPES = {
 }
 
 
+def parse_rpc_servers(servers: list[str] | str | None) -> list[str]:
+    """``"host:port,host:port"`` (or a list) -> endpoints, each checked to answer a TCP connection now, so that
+    an unreachable server is one clear error instead of a failure deep inside llama.cpp."""
+    import socket
+
+    if not servers:
+        return []
+    items = servers.split(",") if isinstance(servers, str) else list(servers)
+    out = []
+    for item in (x.strip() for x in items):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"RPC server must be host:port, got {item!r}")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        except OSError as e:
+            raise ModelError(f"cannot reach the RPC server {item}: {e.strerror or e}") from None
+        out.append(item)
+    return out
+
+
 def resolve_threads(n_threads: int | None) -> int:
     """Threads for llama.cpp: ``n_threads`` checked against this machine, or the default.
 
@@ -137,14 +158,21 @@ class Model(_Owned):
     n_gpu_layers: layers offloaded to a GPU backend (0 on CPU builds; -1 = all).
     """
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = -1, native: Native | None = None):
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = -1, native: Native | None = None,
+                 rpc_servers: list[str] | str | None = None):
         self.path = check_gguf(path)
         self.nat = native or load()
+        for endpoint in parse_rpc_servers(rpc_servers):
+            self.nat.add_rpc_server(endpoint)
         ll = self.nat.llama
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         self.nat.log.clear()
         handle = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if self.nat.log.interrupted:
+            if handle:
+                ll.llama_model_free(handle)
+            self.nat.check_interrupt()
         if not handle:
             raise ModelError(f"llama.cpp could not load {self.path}: {self.nat.log.recent_errors() or 'unknown error'}")
         self._handle = handle
@@ -169,6 +197,13 @@ class Model(_Owned):
     def vocab(self):
         self.handle  # raises when closed: the vocabulary lives inside the model
         return self._vocab
+
+    def __exit__(self, *exc) -> None:
+        # leaving a ``with`` block never raises: with contexts still open the model is freed by the last one
+        if self._contexts:
+            self._close_pending = True
+        else:
+            self.close()
 
     def _free(self) -> None:
         """Refused (NativeError) while a context on the model is open: close the sessions first."""
@@ -210,8 +245,13 @@ class Model(_Owned):
         return out
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        """Text -> token ids (llama_tokenize)."""
-        data = text.encode("utf-8")
+        """Text -> token ids (llama_tokenize). ConfigError for text that is not valid Unicode (e.g. undecodable
+        bytes from a command line, which Python keeps as lone surrogates)."""
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"text is not valid UTF-8 (undecodable bytes at characters {e.start}..{e.end - 1})") \
+                from None
         cap = len(data) + 16
         arr = (ctypes.c_int32 * cap)()
         n = self.nat.llama.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special, parse_special)
@@ -300,6 +340,10 @@ class Context(_Owned):
         self.flash_attn_requested = flash_attn
         self.nat.log.clear()
         handle = ll.llama_init_from_model(model.handle, p)
+        if self.nat.log.interrupted:
+            if handle:
+                ll.llama_free(handle)
+            self.nat.check_interrupt()
         if not handle:
             raise NativeError(f"llama_init_from_model failed: {self.nat.log.recent_errors() or 'unknown error'}")
         self._handle = handle
@@ -322,6 +366,8 @@ class Context(_Owned):
         ll.llama_batch_free(self._batch)
         ll.llama_free(self._handle)
         self.model._contexts.discard(id(self))
+        if getattr(self.model, "_close_pending", False) and not self.model._contexts:
+            self.model.close()
 
     # -- decode -----------------------------------------------------------------------------------------
     def decode(self, tokens: list[int], positions: list[int] | np.ndarray, logits_last: bool = True,
@@ -346,6 +392,7 @@ class Context(_Owned):
             b.logits[i] = 1 if (logits_all or (logits_last and i == n - 1)) else 0
         b.n_tokens = n
         rc = self.nat.llama.llama_decode(handle, b)
+        self.nat.check_interrupt()
         if rc == DECODE_NO_KV_SLOT:
             raise KVFullError(f"llama_decode: no KV slot for {n} tokens (n_ctx={self.n_ctx})")
         if rc != 0:
@@ -386,6 +433,28 @@ class Context(_Owned):
         """Make seq ``dst`` share the cells of ``src`` in [p0, p1) (llama_memory_seq_cp; no data copy when unified)."""
         self.handle
         self.nat.llama.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_state(self, seq_id: int = 0) -> bytes:
+        """The KV cells of ``seq_id`` (positions, K and V) as llama.cpp serialises them
+        (``llama_state_seq_get_data``); holes left by evictions are kept."""
+        ll = self.nat.llama
+        n = ll.llama_state_seq_get_size(self.handle, seq_id)
+        buf = (ctypes.c_uint8 * max(1, n))()
+        got = ll.llama_state_seq_get_data(self.handle, buf, n, seq_id)
+        if got != n:
+            raise self.nat.error(f"llama_state_seq_get_data wrote {got} of {n} bytes")
+        return bytes(buf[:n])
+
+    def set_seq_state(self, data: bytes, seq_id: int = 0) -> None:
+        """Replace ``seq_id`` with a state from :meth:`seq_state` (same model and cache types);
+        NativeError when llama.cpp refuses it (wrong model, cache types, too few cells)."""
+        ll = self.nat.llama
+        self.seq_rm_range(-1, -1, seq_id)
+        buf = (ctypes.c_uint8 * max(1, len(data))).from_buffer_copy(data) if data else (ctypes.c_uint8 * 1)()
+        self.nat.log.clear()
+        got = ll.llama_state_seq_set_data(self.handle, buf, len(data), seq_id)
+        if got != len(data) or got == 0:
+            raise self.nat.error(f"llama.cpp refused the sequence state ({got} of {len(data)} bytes read)")
 
     def clear(self) -> None:
         """Empty the KV cache (all sequences)."""

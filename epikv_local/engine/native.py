@@ -47,6 +47,14 @@ typedef bool (*llama_kv_full_callback)(struct llama_context * ctx, int32_t n_tok
 void    llama_set_kv_full_callback(struct llama_context * ctx, llama_kv_full_callback cb, void * user_data);
 """
 
+# ggml-rpc.h / ggml-backend.h: llama.cpp's RPC backend (libggml-rpc, built when GGML_RPC=ON)
+RPC_CDEF = """
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
+void ggml_backend_register(ggml_backend_reg_t reg);
+size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+"""
+
 CAPTURE_CDEF = """
 #define EPIKV_MODE_CAPTURE 1
 #define EPIKV_MODE_PROBE 2
@@ -118,19 +126,29 @@ class LlamaLog:
     def __init__(self, verbose: bool = False, keep: int = 50):
         self.verbose = verbose
         self.lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=keep)
+        #: the last INFO lines (llama.cpp reports buffer sizes there, e.g. the KV cache's)
+        self.info: collections.deque[str] = collections.deque(maxlen=keep)
         self._last_level = 2
         self._lock = threading.Lock()
+        #: a Ctrl-C that arrived while llama.cpp was calling us: ctypes would print and drop it, so it is kept
+        #: here and re-raised by :meth:`Native.check_interrupt` once the native call returns
+        self.interrupted = False
 
     def __call__(self, level: int, text: bytes, _user_data: Any) -> None:
-        msg = text.decode("utf-8", "replace") if text else ""
-        with self._lock:
-            if level == 5:  # continuation of the previous line
-                level = self._last_level
-            self._last_level = level
-            if level >= 3:
-                self.lines.append((level, msg.rstrip("\n")))
-        if self.verbose or os.environ.get("EPIKV_VERBOSE"):
-            sys.stderr.write(msg)
+        try:
+            msg = text.decode("utf-8", "replace") if text else ""
+            with self._lock:
+                if level == 5:  # continuation of the previous line
+                    level = self._last_level
+                self._last_level = level
+                if level >= 3:
+                    self.lines.append((level, msg.rstrip("\n")))
+                elif level == 2:
+                    self.info.append(msg.rstrip("\n"))
+            if self.verbose or os.environ.get("EPIKV_VERBOSE"):
+                sys.stderr.write(msg)
+        except KeyboardInterrupt:
+            self.interrupted = True
 
     def recent_errors(self, n: int = 3) -> str:
         with self._lock:
@@ -153,6 +171,22 @@ class Native:
     cap: Any  # cffi handle of libepikv_capture
     log: LlamaLog
     _keep: list = field(default_factory=list)
+    rpc: Any = None  # cffi handle of libggml-rpc + libggml (None when built without GGML_RPC)
+    _rpc_servers: dict = field(default_factory=dict)  # endpoint -> number of devices registered
+
+    def add_rpc_server(self, endpoint: str) -> int:
+        """Register the devices of an ``rpc-server`` at ``host:port`` with ggml (once per endpoint and process);
+        models loaded afterwards offload layers to them. Returns the number of devices it added."""
+        if self.rpc is None:
+            raise NativeError("this build has no RPC backend: rebuild with CMAKE_ARGS=\"-DGGML_RPC=ON\" "
+                              "(rm -rf build first)")
+        if endpoint not in self._rpc_servers:
+            reg = self.rpc[0].ggml_backend_rpc_add_server(endpoint.encode())
+            if reg == self.ffi.NULL:
+                raise self.error(f"ggml_backend_rpc_add_server({endpoint}) failed")
+            self.rpc[1].ggml_backend_register(reg)
+            self._rpc_servers[endpoint] = int(self.rpc[1].ggml_backend_reg_dev_count(reg))
+        return self._rpc_servers[endpoint]
 
     # -- pointer conversion between llama_cpp (ctypes) handles and cffi ------------------------------------
     def as_cffi(self, ctype: str, handle: Any) -> Any:
@@ -163,6 +197,12 @@ class Native:
 
     def address(self, cdata: Any) -> int:
         return int(self.ffi.cast("uintptr_t", cdata))
+
+    def check_interrupt(self) -> None:
+        """Re-raise a Ctrl-C that a native callback had to swallow (see ``LlamaLog.interrupted``)."""
+        if self.log.interrupted:
+            self.log.interrupted = False
+            raise KeyboardInterrupt
 
     def error(self, what: str) -> NativeError:
         detail = self.log.recent_errors()
@@ -214,10 +254,16 @@ def load(lib_dir: Path | None = None, verbose: bool = False) -> Native:
         ffi.cdef(CAPTURE_CDEF)
         lib = ffi.dlopen(str(llama_path))
         cap = ffi.dlopen(str(cap_path))
+        rpc = None
+        rpc_path = next((lib_dir / n for n in _lib_names("ggml-rpc") if (lib_dir / n).exists()), None)
+        ggml_path = next((lib_dir / n for n in _lib_names("ggml") if (lib_dir / n).exists()), None)
+        if rpc_path is not None and ggml_path is not None:
+            ffi.cdef(RPC_CDEF)
+            rpc = (ffi.dlopen(str(rpc_path)), ffi.dlopen(str(ggml_path)))
 
         log = LlamaLog(verbose=verbose)
         log_cb = llama_cpp.llama_log_callback(log)
         llama_cpp.llama_log_set(log_cb, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
-        _NATIVE = Native(lib_dir=lib_dir, llama=llama_cpp, ffi=ffi, lib=lib, cap=cap, log=log, _keep=[log_cb])
+        _NATIVE = Native(lib_dir=lib_dir, llama=llama_cpp, ffi=ffi, lib=lib, cap=cap, log=log, _keep=[log_cb], rpc=rpc)
         return _NATIVE

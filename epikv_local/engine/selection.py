@@ -52,19 +52,32 @@ def select_evictions(positions: np.ndarray, scores: np.ndarray,
         raise ValueError(f"n_evict must be an int, got {n_evict!r}")
     if n_evict < 0:
         raise ValueError(f"n_evict must be >= 0, got {n_evict}")
-    if np.unique(pos).shape[0] != pos.shape[0]:
-        raise ValueError("positions contain duplicates")
+    ascending = bool(np.all(pos[1:] > pos[:-1]))  # the engine's case: O(N), and distinct by construction
+    if not ascending:
+        order = np.argsort(pos, kind="stable")
+        pos, sc, prot = pos[order], sc[order], prot[order]
+        if np.any(pos[1:] == pos[:-1]):
+            raise ValueError("positions contain duplicates")
 
     cand = ~prot
-    cpos = pos[cand]
+    cpos = pos[cand]  # ascending: index order is age order, which breaks ties
     csc = sc[cand]
     n = min(int(n_evict), cpos.shape[0])
     if n == 0:
         return np.empty(0, dtype=np.int64)
-    isnan = np.isnan(csc)
-    # lexsort: last key is primary -> NaN first, then score asc, then position asc.
-    order = np.lexsort((cpos, np.where(isnan, 0.0, csc), ~isnan))
-    return np.sort(cpos[order[:n]]).astype(np.int64, copy=False)
+    # NaN first (oldest first), then the n' lowest scores by a partial partition: O(N), not a full sort, so a
+    # round stays cheap at budgets of tens of thousands of cells
+    nan_idx = np.flatnonzero(np.isnan(csc))
+    if len(nan_idx) >= n:
+        return cpos[nan_idx[:n]].astype(np.int64, copy=False)
+    rest = n - len(nan_idx)
+    finite_idx = np.flatnonzero(~np.isnan(csc))
+    key = csc[finite_idx]
+    kth = np.partition(key, rest - 1)[rest - 1]
+    below = finite_idx[key < kth]
+    ties = finite_idx[key == kth][: rest - len(below)]  # equal scores: the oldest go first
+    chosen = np.concatenate([nan_idx, below, ties])
+    return np.sort(cpos[chosen]).astype(np.int64, copy=False)
 
 
 def protected_mask(positions: np.ndarray, *, n_sink: int, n_recent: int,

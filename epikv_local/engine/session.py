@@ -6,8 +6,9 @@ while the session is open). It is the only place that decodes for generation: :m
 tokens in chunks, evicting first, and hands each decode's :class:`Observation` to the policy. Callers use its
 methods (``begin_prompt``, ``feed``, ``logits``, ``stats``, ``reset``), not its parts.
 
-One session serves one thread at a time: a second thread entering while a call runs gets a ConfigError
-instead of corrupting the sequence.
+One session serves one generation at a time: a second thread entering while a call runs, or a second
+generation started while one is in progress (:meth:`Session.generation`), gets a ConfigError instead of
+corrupting the sequence.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Session:
         if n_ctx < budget.kv_budget:
             raise ConfigError(f"n_ctx {n_ctx} is smaller than kv_budget {budget.kv_budget}")
         self._lock = threading.Lock()
+        self._generating = False
         with contextlib.ExitStack() as stack:
             handle = plan.open(model.nat, info.n_embd, self.cfg.n_batch)
             if handle is not None:
@@ -146,6 +148,22 @@ class Session:
             yield
         finally:
             self._lock.release()
+
+    @contextlib.contextmanager
+    def generation(self):
+        """Mark a generation in progress for its whole length (the generation loop holds it across yields, whichever
+        thread resumes it); a second one is refused with a ConfigError."""
+        if self.closed:
+            raise NativeError("session is closed")
+        with self._lock:
+            if self._generating:
+                raise ConfigError("this session is already generating (another thread or an unfinished stream): "
+                                  "finish or close that generation first, or use another session")
+            self._generating = True
+        try:
+            yield self
+        finally:
+            self._generating = False
 
     # -- what callers read ---------------------------------------------------------------------------------
     @property
@@ -199,6 +217,20 @@ class Session:
             self._new_engine(self.budget)
             self.n_past = 0
             self.tokens = []
+
+    def save_state(self, path) -> None:
+        """Save the sequence (KV cells with their holes, bookkeeping, policy state) to a file; see ``state``."""
+        from . import state
+
+        with self._use():
+            state.save(self, path)
+
+    def load_state(self, path) -> None:
+        """Continue a sequence saved by :meth:`save_state` (same model file and cache types); DataError when the
+        file is not one, truncated, corrupted or from another model."""
+        from . import state
+
+        state.load(self, path)  # reads and checks the whole file before touching this session
 
     def rewind_to_prefix(self, tokens: list[int]) -> int:
         """Keep the longest common prefix of the sequence and ``tokens`` (cache, evictions and all), drop the

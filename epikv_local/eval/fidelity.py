@@ -103,13 +103,17 @@ class PassResult:
     n_evicted: int
     max_live: int
     logp: np.ndarray | None = None
+    kv_bytes: int = 0
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str | Policy, budget_cfg: BudgetConfig, chunk: int,
                         flash_attn: bool, n_threads: int | None = None, eval_start: int | None = None,
-                        on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None) -> PassResult:
+                        on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                        type_k: str = "f16", type_v: str = "f16") -> PassResult:
     """Feed ``tokens[:-1]`` in chunks of ``chunk`` through a budgeted session and read the log-probs.
+
+    type_k / type_v: KV cache element types of this pass (quantized caches compared with an f16 reference).
 
     Positions ``t >= eval_start`` (default ``budget_cfg.kv_budget``) are evaluated; the last token is never
     decoded (it has no target). Chunks before ``eval_start`` are decoded without all-row logits. With
@@ -125,7 +129,8 @@ def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str | Poli
     n_eval = max(0, n_in - start)
     policy = policy_name if isinstance(policy_name, Policy) else make_policy(policy_name)
     policy_name = policy.name
-    cfg = SessionConfig(n_batch=chunk, n_threads=n_threads, flash_attn=flash_attn, verify_flash_attn=True)
+    cfg = SessionConfig(n_batch=chunk, n_threads=n_threads, flash_attn=flash_attn, verify_flash_attn=True,
+                        type_k=type_k, type_v=type_v)
     n_vocab = model.info.n_vocab
     out = None if on_chunk is not None else np.empty((n_eval, n_vocab), dtype=np.float32)
     t0 = time.perf_counter()
@@ -151,7 +156,7 @@ def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str | Poli
         res = PassResult(policy=policy_name, kv_budget=budget_cfg.kv_budget, flash_attn=bool(flash_attn),
                          eval_start=start, n_eval=n_eval, seconds=time.perf_counter() - t0,
                          decode_seconds=st.decode_seconds, n_evicted=st.n_evicted,
-                         max_live=st.max_live, logp=out,
+                         max_live=st.max_live, logp=out, kv_bytes=st.kv_bytes,
                          positions=np.arange(start, start + n_eval, dtype=np.int64))
     return res
 
@@ -166,16 +171,18 @@ def reference_pass(model: Model, tokens: list[int], chunk: int, flash_attn: bool
 
 def compare_pass(model: Model, tokens: list[int], ref: PassResult, policy_name: "str | PolicySpec",
                  budget_cfg: BudgetConfig,
-                 chunk: int, n_threads: int | None = None, eval_start: int | None = None) -> dict:
+                 chunk: int, n_threads: int | None = None, eval_start: int | None = None, type_k: str = "f16",
+                 type_v: str = "f16") -> dict:
     """Run one evicted pass streamed against ``ref`` (same chunk and flash-attention setting); per-trace row."""
     start = budget_cfg.kv_budget if eval_start is None else eval_start
     if start < ref.eval_start:
         raise ConfigError(f"reference starts at {ref.eval_start}, after the evaluated start {start}")
     cmp = StreamingComparison(ref.logp, ref.eval_start, tokens)
     res = teacher_forced_pass(model, tokens, policy_name, budget_cfg, chunk, ref.flash_attn, n_threads=n_threads,
-                              eval_start=start, on_chunk=cmp)
+                              eval_start=start, on_chunk=cmp, type_k=type_k, type_v=type_v)
     row = {"policy": policy_spec(policy_name).name, "kv_budget": budget_cfg.kv_budget, "flash_attn": ref.flash_attn,
-           "n_tokens": len(tokens), "eval_start": start, "n_eval": cmp.n}
+           "n_tokens": len(tokens), "eval_start": start, "n_eval": cmp.n, "type_k": type_k, "type_v": type_v,
+           "kv_bytes": res.kv_bytes}
     row.update(cmp.means())
     row.update({"n_evicted": res.n_evicted, "max_live": res.max_live, "seconds": round(res.seconds, 3),
                 "decode_seconds": round(res.decode_seconds, 3), "ref_seconds": round(ref.seconds, 3)})

@@ -1,0 +1,350 @@
+"""``epikv-local serve`` end to end: the server runs as a subprocess on the real default model and is spoken to
+with the real ``openai`` client and with raw HTTP (urllib). No mocks, no wall-clock assertions: waits have
+deadlines only so that a broken server fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = 128
+KEY = "sekrit-test-key"
+#: SmolLM2's end-of-generation tokens (<|endoftext|>, <|im_end|>): banned where a generation must run long
+NO_EOG = {"0": -100, "2": -100}
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m epikv_local.cli serve ...`` on a free port, with its stderr in a temporary file."""
+
+    def __init__(self, model_path: Path, *extra: str):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile(mode="w+")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "epikv_local.cli", "serve", "-m", str(model_path), "--kv-budget", str(BUDGET),
+             "--port", str(self.port), "-t", "1", *extra],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+        deadline = time.monotonic() + 180
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}: {self.stderr()}")
+            try:
+                if http("GET", self.base + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not come up: {self.stderr()}")
+            time.sleep(0.2)
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def client(self, key: str = "x", **kw):
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=120, **kw)
+
+    def health(self) -> dict:
+        status, body = http("GET", self.base + "/health")
+        assert status == 200 and body["status"] == "ok", (status, body)
+        return body
+
+
+def http(method: str, url: str, body=None, headers: dict | None = None, timeout: float = 120):
+    """(status, parsed JSON body) of one request; ``body``: a dict (sent as JSON) or raw bytes."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def assert_openai_error(status: int, body, expected_status: int | None = None) -> dict:
+    assert 400 <= status < 600, status
+    if expected_status is not None:
+        assert status == expected_status, (status, body)
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+    return err
+
+
+def epikv(obj) -> dict:
+    ext = (obj.model_extra or {}).get("epikv")
+    assert isinstance(ext, dict), obj
+    assert ext["kv_budget"] == BUDGET and 0 < ext["max_live_cells"] <= BUDGET
+    assert ext["live_cells"] <= BUDGET and ext["flash_attn"] is True and ext["policy"] == "epikv"
+    return ext
+
+
+def reasoning_of(obj):
+    return (obj.model_extra or {}).get("reasoning_content")
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    s = Server(model_path)
+    try:
+        yield s
+    finally:
+        s.stop()
+        s.log.close()
+
+
+@pytest.fixture(scope="module")
+def guarded(model_path):
+    """A second server: --max-queue 1 and an API key."""
+    s = Server(model_path, "--max-queue", "1", "--api-key", KEY, "--model-alias", "smol")
+    try:
+        yield s
+    finally:
+        s.stop()
+        s.log.close()
+
+
+def chat(client, model: str, messages=CHAT, max_tokens: int = 24, **kw):
+    return client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_health_models_and_banner(server, model_path):
+    h = server.health()
+    assert h["model"] == model_path.name and h["busy"] is False and h["queued"] == 0
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [model_path.name]
+    assert f"epikv-local: serving {model_path.name} on http://127.0.0.1:{server.port}" in server.stderr()
+
+
+def test_chat_non_streaming_and_streaming_agree(server, model_path):
+    client = server.client()
+    r = chat(client, model_path.name)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == model_path.name
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str) and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    ext = epikv(r)
+    assert ext["prompt_tokens_reused"] + ext["prompt_tokens_decoded"] == r.usage.prompt_tokens
+
+    chunks = list(chat(client, model_path.name, stream=True))
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id != r.id
+    assert all(c.object == "chat.completion.chunk" and c.model == model_path.name for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    epikv(chunks[-1])
+    assert all("epikv" not in (c.model_extra or {}) for c in chunks[:-1])
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    reasoning = "".join(reasoning_of(c.choices[0].delta) or "" for c in chunks)
+    # greedy: the same answer, and reasoning_content absent (or present) in both the same way
+    assert content == choice.message.content
+    assert (reasoning or None) == reasoning_of(choice.message)
+
+
+def test_completions_non_streaming_and_streaming(server, model_path):
+    client = server.client()
+    kw = dict(model=model_path.name, prompt="The capital of France is", max_tokens=12, temperature=0)
+    r = client.completions.create(**kw)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == model_path.name
+    assert isinstance(r.choices[0].text, str) and r.choices[0].text
+    assert r.choices[0].finish_reason in ("stop", "length") and 0 < r.usage.completion_tokens <= 12
+    epikv(r)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert len({c.id for c in chunks}) == 1
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    epikv(chunks[-1])
+
+
+def test_two_concurrent_clients_get_their_own_complete_answers(server, model_path):
+    questions = [[{"role": "user", "content": "Name three colours of the rainbow."}],
+                 [{"role": "user", "content": "What is two plus three? Explain briefly."}]]
+    alone = [chat(server.client(), model_path.name, q).choices[0].message.content for q in questions]
+    assert alone[0] != alone[1]
+    results: dict = {}
+
+    def ask(i: int, stream: bool):
+        try:
+            client = server.client()  # one client (connection pool) per thread
+            if stream:
+                chunks = list(chat(client, model_path.name, questions[i], stream=True))
+                results[i] = (chunks[0].id, "".join(c.choices[0].delta.content or "" for c in chunks),
+                              chunks[-1].choices[0].finish_reason)
+            else:
+                r = chat(client, model_path.name, questions[i])
+                results[i] = (r.id, r.choices[0].message.content, r.choices[0].finish_reason)
+        except Exception as e:  # reported by the main thread
+            results[i] = e
+
+    threads = [threading.Thread(target=ask, args=(0, True)), threading.Thread(target=ask, args=(1, False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    for i in (0, 1):
+        assert not isinstance(results[i], Exception), results[i]
+        assert results[i][1] == alone[i] and results[i][2] in ("stop", "length")
+    assert results[0][0] != results[1][0]
+    assert server.health()["busy"] is False
+
+
+def test_client_disconnecting_mid_stream_frees_the_model(server, model_path):
+    client = server.client()
+    before = server.health()
+    # a generation that cannot end by itself before 2000 tokens (end-of-generation tokens banned)
+    stream = client.completions.create(model=model_path.name, prompt="1, 2, 3, 4,", max_tokens=2000,
+                                       temperature=0, logit_bias=NO_EOG, stream=True)
+    it = iter(stream)
+    next(it), next(it)
+    stream.close()
+    r = chat(client, model_path.name, max_tokens=8)  # served next, after the cut-off generation stopped
+    assert r.choices[0].message.content and r.usage.completion_tokens <= 8
+    after = server.health()
+    assert after["busy"] is False and after["served"] == before["served"] + 2
+    assert after["cancelled"] == before["cancelled"] + 1
+    cut_off = after["tokens_generated"] - before["tokens_generated"] - r.usage.completion_tokens
+    assert 2 <= cut_off < 1000, cut_off  # stopped soon after the client left, far from its 2000 tokens
+
+
+@pytest.mark.parametrize("path,body,status", [
+    ("/v1/chat/completions", {"model": None}, 400),  # no messages
+    ("/v1/chat/completions", {"messages": "hello"}, 400),  # not a list
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -1}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": "many"}, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4o"}, 404),
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", b"[1, 2]", 400),
+    ("/v1/chat/completions", b"", 400),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400),  # EpikvError: not supported
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400),
+    ("/v1/completions", {"prompt": ""}, 400),
+    ("/v1/completions", {"prompt": "hi", "model": "nope"}, 404),
+    ("/v1/nothing-here", {"prompt": "hi"}, 404),
+])
+def test_bad_requests_get_openai_errors_and_the_server_stays_healthy(server, path, body, status):
+    got, payload = http("POST", server.base + path, body)
+    err = assert_openai_error(got, payload, status)
+    if status == 404 and "model" in (body if isinstance(body, dict) else {}):
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+    server.health()
+
+
+def test_budget_error_is_a_400_with_its_message(server, model_path):
+    long_prompt = " ".join(f"word{i}" for i in range(400))  # more prompt than a 128-cell budget can protect
+    got, payload = http("POST", server.base + "/v1/completions", {"prompt": long_prompt, "max_tokens": 4})
+    err = assert_openai_error(got, payload, 400)
+    assert err["code"] == "BudgetError" and "budget" in err["message"].lower()
+    r = server.client().completions.create(model=model_path.name, prompt="Hello", max_tokens=4, temperature=0)
+    assert r.choices[0].text is not None and server.health()["busy"] is False
+
+
+def test_openai_client_sees_errors_as_exceptions(server, model_path):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        chat(client, "no-such-model")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model_path.name, messages=[], max_tokens=4)
+    server.health()
+
+
+def test_api_key(guarded):
+    assert http("GET", guarded.base + "/health")[0] == 200  # open, like llama-server's
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
+        status, body = http("GET", guarded.base + "/v1/models", headers=headers)
+        assert_openai_error(status, body, 401)
+        status, body = http("POST", guarded.base + "/v1/chat/completions", {"messages": CHAT}, headers=headers)
+        assert_openai_error(status, body, 401)
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client("wrong").models.list()
+    status, body = http("GET", guarded.base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and [m["id"] for m in body["data"]] == ["smol"]
+    r = chat(guarded.client(KEY), "smol", max_tokens=4)
+    assert r.model == "smol" and r.choices[0].message.content
+
+
+def test_full_queue_answers_503(guarded):
+    """--max-queue 1: one request runs, one waits, the next is refused at once with 503."""
+    client = guarded.client(KEY)
+    running = client.completions.create(model="smol", prompt="1, 2, 3,", max_tokens=2000, temperature=0,
+                                        logit_bias=NO_EOG, stream=True)
+    it = iter(running)
+    next(it)  # the stream has started: it holds the model
+    waiting: dict = {}
+
+    def wait_in_queue():
+        try:
+            waiting["r"] = guarded.client(KEY).completions.create(model="smol", prompt="Hello", max_tokens=4,
+                                                                  temperature=0)
+        except Exception as e:
+            waiting["r"] = e
+
+    t = threading.Thread(target=wait_in_queue)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while guarded.health()["queued"] < 1:  # /health answers while the model generates
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.05)
+        refused = []
+        for _ in range(3):
+            status, body = http("POST", guarded.base + "/v1/completions", {"prompt": "Hi", "max_tokens": 4},
+                                headers={"Authorization": f"Bearer {KEY}"})
+            refused.append(status)
+            err = assert_openai_error(status, body, 503)
+            assert err["code"] == "queue_full"
+        with pytest.raises(openai.InternalServerError):  # the client sees the 503 too
+            chat(client, "smol", max_tokens=4)
+    finally:
+        running.close()  # the running stream's client leaves: the waiting request runs
+        t.join(timeout=120)
+    assert not isinstance(waiting["r"], Exception), waiting["r"]
+    assert waiting["r"].choices[0].text is not None
+    h = guarded.health()
+    assert h["busy"] is False and h["queued"] == 0
+
+
+def test_sigterm_shuts_down_cleanly(guarded):
+    assert guarded.stop() == 0, guarded.stderr()
+    assert "Traceback" not in guarded.stderr()
