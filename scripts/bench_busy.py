@@ -6,8 +6,9 @@ A desktop always has another program running. llama.cpp's CPU backend runs its t
 is descheduled stalls all the others. This benchmark starts a ``yes > /dev/null`` neighbour (and stops it),
 then measures plain decoding (policy ``none``, greedy, the default model) in a fresh process per setting
 (libgomp reads its environment once), alternating settings over ``--rounds`` rounds, and also without the
-neighbour. Settings: ``old`` (all CPUs, libgomp's default spinning: the previous default), ``new`` (this
-package's default: ``resolve_threads`` and ``OMP_WAIT_POLICY=passive`` unless set), and the four corners.
+neighbour. Settings: ``old`` (all CPUs: the previous default), ``new`` (this package's default,
+``handles.resolve_threads``), and alternatives that keep every CPU but make libgomp's threads wait
+differently (``OMP_WAIT_POLICY=passive``: sleep at once; ``GOMP_SPINCOUNT=10000``: spin briefly).
 
     python scripts/bench_busy.py --rounds 3 --tokens 64 --out results/busy_core.json
 """
@@ -54,21 +55,16 @@ print(json.dumps({"tps": res.stats.decode_tokens_per_s, "threads": s.ctx.n_threa
 def settings(n_cpu: int) -> dict[str, dict]:
     """name -> (threads argument, extra environment)."""
     return {
-        "old": {"threads": str(n_cpu), "env": {"OMP_WAIT_POLICY": ""}},
+        "old": {"threads": str(n_cpu), "env": {}},
         "new": {"threads": "default", "env": {}},
-        f"{n_cpu}t_spin": {"threads": str(n_cpu), "env": {"OMP_WAIT_POLICY": "active"}},
         f"{n_cpu}t_passive": {"threads": str(n_cpu), "env": {"OMP_WAIT_POLICY": "passive"}},
-        "1t_spin": {"threads": "1", "env": {"OMP_WAIT_POLICY": "active"}},
-        "1t_passive": {"threads": "1", "env": {"OMP_WAIT_POLICY": "passive"}},
+        f"{n_cpu}t_spin10k": {"threads": str(n_cpu), "env": {"GOMP_SPINCOUNT": "10000"}},
     }
 
 
 def run_child(model_path: str, n_tokens: int, spec: dict, timeout: float) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    for k, v in spec["env"].items():
-        if v:
-            env[k] = v
-    env["EPIKV_NO_OMP_DEFAULT"] = "1" if "OMP_WAIT_POLICY" in spec["env"] else ""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(spec["env"])
     env["PYTHONPATH"] = str(ROOT)
     t0 = time.perf_counter()
     try:

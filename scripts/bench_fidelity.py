@@ -5,15 +5,27 @@ For every trace x policy x budget it runs a teacher-forced pass with the KV budg
 position t >= budget with a full-cache pass (ΔNLL of the true next token, top-1 agreement, KL(full || evicted)).
 See ``epikv_local/eval/fidelity.py`` for the definitions.
 
-Writes ``<out>/fidelity_<name>.jsonl`` (one row per trace x policy x budget) and
-``<out>/fidelity_<name>_summary.json`` (per policy x budget: means with bootstrap 95% CIs over traces, plus
-provenance), and prints a table. Progress goes to stderr. Bad input (any ``EpikvError``): one line
-``bench_fidelity: error: ...``, exit 2 (``epikv_local.errors.run_main``).
+Long-range metrics (``epikv_local/eval/longrange.py``, docs/longrange.md) beside the all-token ones: key-token
+ΔNLL/top-1/KL (positions a fresh local window of ``--key-window`` tokens predicts worse than the full cache by
+more than ``--key-threshold`` nats; one extra pass per trace; ``--key-window 0`` turns it off), answer-span
+ΔNLL/top-1/KL (the record's gold ``answer`` appended after the truncated trace; on by default when the records
+have answers, ``--no-answer-span`` turns it off), and for every metric the paired per-trace difference of each
+policy to ``--paired-baseline`` (streaming) with a bootstrap CI over traces.
+
+Writes ``<out>/<prefix>_<name>.jsonl`` (one row per trace x policy x budget; prefix ``fidelity`` by default) and
+``<out>/<prefix>_<name>_summary.json`` (per policy x budget: means with bootstrap 95% CIs over traces, plus
+provenance), and prints tables. ``--grid-windows``/``--grid-thresholds`` also evaluate every (window,
+threshold) pair of the key-token definition from the same passes and write ``<out>/<prefix>_<name>_keygrid.json``
+with the selection rule's choice (used on the dev split only). Progress goes to stderr. Bad input (any
+``EpikvError``): one line ``bench_fidelity: error: ...``, exit 2 (``epikv_local.errors.run_main``).
 
 Examples:
   .venv/bin/python scripts/bench_fidelity.py --quick
   .venv/bin/python scripts/bench_fidelity.py --n-traces 8 --budgets 128,256,512,1024 --max-tokens 1536
   .venv/bin/python scripts/bench_fidelity.py --text-file notes.txt --budgets 256 --policies streaming,epikv
+  .venv/bin/python scripts/bench_fidelity.py --n-traces 4 --max-tokens 768 --budgets 128,256 \
+      --policies streaming,random,epikv --grid-windows 32,64,128 --grid-thresholds 0.5,1,2 \
+      --prefix longrange --name dev
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # the source tree (the installed copy may predate epikv_local.eval)
 
 from epikv_local.errors import ConfigError, DataError, run_main  # noqa: E402
+from epikv_local.eval.longrange import KEY_THRESHOLD, KEY_WINDOW  # noqa: E402
 
 PROG = "bench_fidelity"
 DEFAULT_TRACES = REPO.parent / "shared" / "data" / "r1_traces_dev.jsonl"
@@ -75,6 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
                                           "this calibration JSON ('auto': the model's cached calibration)")
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
     ap.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    ap.add_argument("--key-window", type=int, default=KEY_WINDOW,
+                    help=f"local window (tokens) of the key-token definition (default {KEY_WINDOW}, chosen on dev; "
+                         "0: no key-token metrics)")
+    ap.add_argument("--key-threshold", type=float, default=KEY_THRESHOLD,
+                    help=f"key token: window NLL - full NLL > this many nats (default {KEY_THRESHOLD}, chosen on dev)")
+    ap.add_argument("--answer-span", action=argparse.BooleanOptionalAction, default=None,
+                    help="append the record's gold answer after each trace and score it (default: on when the "
+                         "records have an 'answer')")
+    ap.add_argument("--paired-baseline", default="streaming",
+                    help="policy every other one is paired with, per trace and budget (default streaming)")
+    ap.add_argument("--grid-windows", help="key-token grid: comma-separated local windows (with --grid-thresholds)")
+    ap.add_argument("--grid-thresholds", help="key-token grid: comma-separated thresholds in nats")
+    ap.add_argument("--grid-budget", type=int, help="budget at which the grid's selection rule compares "
+                                                    "random and streaming (default: the largest budget, where the "
+                                                    "windows are smallest next to what streaming keeps)")
+    ap.add_argument("--prefix", default="fidelity", help="output file prefix (default fidelity)")
     return ap
 
 
@@ -119,23 +148,93 @@ def _fmt_ci(m: dict, spec: str) -> str:
     return f"{m['mean']:{spec}} [{m['ci_low']:{spec}},{m['ci_high']:{spec}}]"
 
 
-def print_table(summary: list[dict], file=sys.stdout) -> None:
+TABLES = (("delta_nll", "mean ΔNLL (nats/token, lower is better)", "+.4f"),
+          ("top1_agreement", "top-1 agreement with the full cache", ".3f"),
+          ("kl", "mean KL(full || evicted) (nats)", ".4f"),
+          ("key_delta_nll", "key-token ΔNLL (nats/token, lower is better)", "+.4f"),
+          ("key_top1_agreement", "key-token top-1 agreement", ".3f"),
+          ("key_kl", "key-token KL(full || evicted) (nats)", ".4f"),
+          ("answer_delta_nll", "answer-span ΔNLL (nats/token, lower is better)", "+.4f"),
+          ("answer_top1_agreement", "answer-span top-1 agreement", ".3f"),
+          ("answer_kl", "answer-span KL(full || evicted) (nats)", ".4f"))
+#: paired differences printed (all of longrange.PAIRED_METRICS are in the summary JSON; the nll_ref ones are
+#: zero within a reference and nll's equal delta_nll's, so they are not printed)
+PAIRED_PRINTED = tuple(m for m, _, _ in TABLES)
+
+
+def _table(summary, budgets, policies, get, title, spec, file) -> None:
+    by = {(s["policy"], s["kv_budget"]): s for s in summary}
+    cells = {k: get(s) for k, s in by.items()}
+    if not any(c is not None for c in cells.values()):
+        return
+    print(f"\n{title}", file=file)
+    text = {k: (_fmt_ci(c, spec) if c is not None else "-") for k, c in cells.items()}
+    w = max(26, max(len(t) for t in text.values()) + 2)
+    print(f"{'policy':<14}" + "".join(f"{'budget ' + str(b):>{w}}" for b in budgets), file=file)
+    for p in policies:
+        row = [text.get((p, b), "-") for b in budgets]
+        print(f"{p:<14}" + "".join(f"{c:>{w}}" for c in row), file=file)
+
+
+def print_table(summary: list[dict], file=sys.stdout, baseline: str = "streaming") -> None:
     budgets = sorted({s["kv_budget"] for s in summary})
     policies = list(dict.fromkeys(s["policy"] for s in summary))
     by = {(s["policy"], s["kv_budget"]): s for s in summary}
-    for metric, title, spec in (("delta_nll", "mean ΔNLL (nats/token, lower is better)", "+.4f"),
-                                ("top1_agreement", "top-1 agreement with the full cache", ".3f"),
-                                ("kl", "mean KL(full || evicted) (nats)", ".4f")):
-        print(f"\n{title}; mean [95% CI over traces]", file=file)
-        w = max(26, max(len(_fmt_ci(s[metric], spec)) for s in summary) + 2)
-        print(f"{'policy':<14}" + "".join(f"{'budget ' + str(b):>{w}}" for b in budgets), file=file)
-        for p in policies:
-            cells = [(_fmt_ci(by[(p, b)][metric], spec) if (p, b) in by else "-") for b in budgets]
-            print(f"{p:<14}" + "".join(f"{c:>{w}}" for c in cells), file=file)
+    for metric, title, spec in TABLES:
+        _table(summary, budgets, policies, lambda s, m=metric: s.get(m), f"{title}; mean [95% CI over traces]",
+               spec, file)
+    key = f"paired_vs_{baseline}"
+    if any(key in s for s in summary):
+        others = [p for p in policies if p != baseline]
+        for metric, title, spec in TABLES:
+            _table([s for s in summary if s["policy"] != baseline], budgets, others,
+                   lambda s, m=metric: s.get(key, {}).get(m),
+                   f"paired difference to {baseline} (policy - {baseline}, same trace and budget): {title}; "
+                   "mean [95% paired bootstrap CI over traces]", spec, file)
     n = max(s["n_traces"] for s in summary)
     print(f"\n(n_traces = {n}; seconds per pass: "
           + ", ".join(f"{p} {sum(by[(p, b)]['seconds_per_pass'] for b in budgets if (p, b) in by) / sum(1 for b in budgets if (p, b) in by):.1f}"
                       for p in policies) + ")", file=file)
+    if any("n_key_positions" in s for s in summary):
+        print("(key / answer positions per budget, all traces: "
+              + ", ".join(f"{b}: {next((s.get('n_key_positions', 0) for s in summary if s['kv_budget'] == b), 0)}"
+                          f" / {next((s.get('n_answer_positions', 0) for s in summary if s['kv_budget'] == b), 0)}"
+                          for b in budgets) + ")", file=file)
+
+
+def print_grid(grid: list[dict], choice: dict, file=sys.stdout) -> None:
+    print("\nkey-token grid: key share of evaluated positions, key ΔNLL random - streaming "
+          "[95% paired CI], d_z", file=file)
+    for g in grid:
+        pr = g.get("paired", {})
+        print(f"  W={g['window']:<4} thr={g['threshold']:<4} budget {g['kv_budget']:<5} share {g['key_share']:.3f} "
+              f"({g['n_key']}/{g['n_eval']})  diff {pr.get('mean', float('nan')):+.4f} "
+              f"[{pr.get('ci_low', float('nan')):+.4f},{pr.get('ci_high', float('nan')):+.4f}] "
+              f"d_z {pr.get('d_z', float('nan')):+.2f}", file=file)
+    print(f"choice: window {choice['window']}, threshold {choice['threshold']} ({choice['reason']})", file=file)
+
+
+def _clean(x):
+    """NaN floats -> None, recursively (strict JSON)."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def read_answers(path: Path) -> dict[str, str]:
+    """id -> gold answer of the records of a trace file (records without an id or an answer are left out)."""
+    from epikv_local.eval.io import read_jsonl
+
+    out = {}
+    for _, rec in read_jsonl(path, "trace file"):
+        ans = rec.get("answer")
+        if "id" in rec and ans is not None and str(ans).strip():
+            out[str(rec["id"])] = str(ans)
+    return out
 
 
 CALIBRATED = "epikv_calibrated"
@@ -153,7 +252,10 @@ def calibrated_spec(cal):
 def run(args) -> int:
     from epikv_local.api.models import default_model_path
     from epikv_local.engine.handles import Model, check_gguf
-    from epikv_local.eval.fidelity import evaluate_trace, summarize
+    import numpy as np
+
+    from epikv_local.eval.fidelity import evaluate_trace, local_window_nll, summarize
+    from epikv_local.eval.longrange import WINDOW_STRIDE_FRACTION, key_grid, select_key_setting
     from epikv_local.eval.traces import load_traces
     from epikv_local.policies import REGISTRY
 
@@ -199,6 +301,21 @@ def run(args) -> int:
         raise ConfigError(f"--chunk must be >= 1, got {args.chunk}")
     if not 0.0 <= args.recent_fraction < 1.0:
         raise ConfigError(f"--recent-fraction must be in [0, 1), got {args.recent_fraction}")
+    if args.key_window < 0:
+        raise ConfigError(f"--key-window must be >= 0, got {args.key_window}")
+    grid_windows = grid_thresholds = None
+    if bool(args.grid_windows) != bool(args.grid_thresholds):
+        raise ConfigError("--grid-windows and --grid-thresholds go together")
+    if args.grid_windows:
+        grid_windows = _int_list(args.grid_windows, "grid windows")
+        try:
+            grid_thresholds = sorted({float(t) for t in args.grid_thresholds.split(",") if t.strip()})
+        except ValueError:
+            raise ConfigError(f"--grid-thresholds must be comma-separated numbers, got {args.grid_thresholds!r}") from None
+        if not grid_thresholds:
+            raise ConfigError("grid thresholds list is empty")
+        if args.grid_budget is not None and args.grid_budget not in budgets:
+            raise ConfigError(f"--grid-budget {args.grid_budget} is not one of the budgets {budgets}")
     kept = [b for b in budgets if b < max_tokens - 1]
     if not kept:
         raise ConfigError(f"no budget below --max-tokens {max_tokens}: nothing to evaluate")
@@ -212,6 +329,10 @@ def run(args) -> int:
     source = Path(args.text_file) if args.text_file else Path(args.traces)
     if not source.is_file():
         raise DataError(f"{'text' if args.text_file else 'trace'} file not found: {source}")
+    answers = {} if args.text_file or args.answer_span is False else read_answers(source)
+    answer_span = bool(answers) if args.answer_span is None else args.answer_span
+    if answer_span and not answers:
+        raise DataError(f"--answer-span: no record of {source} has an id and an 'answer'")
     name = args.name or ("quick" if args.quick else source.stem)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -237,26 +358,46 @@ def run(args) -> int:
         _log(f"model {model_path.name}; {len(traces)} trace(s) x {len(policies)} policies x budgets "
              f"{','.join(map(str, budgets))}; chunk {args.chunk}")
         rows = []
-        jsonl = out_dir / f"fidelity_{name}.jsonl"
+        grid_traces = []
+        jsonl = out_dir / f"{args.prefix}_{name}.jsonl"
+        fa = not args.no_flash_attn
         with open(jsonl, "w") as f:
             for i, (tid, toks) in enumerate(traces):
                 _log(f"trace {i + 1}/{len(traces)} {tid} ({len(toks)} tokens)")
-                trace_rows = evaluate_trace(model, toks, policies, budgets, chunk=args.chunk, n_sink=args.n_sink,
-                                            recent_fraction=args.recent_fraction,
-                                            flash_attn=not args.no_flash_attn, n_threads=args.threads,
-                                            progress=lambda m: _log("  " + m))
+                answer = answers.get(tid) if answer_span else None
+                if answer_span and answer is None:
+                    _log(f"  {tid}: no gold answer, no answer span")
+                window_nll, grid_nll = None, {}
+                start = min(b for b in budgets if b < len(toks) - 1) if any(b < len(toks) - 1 for b in budgets) else None
+                if grid_windows and start is not None:
+                    for w in grid_windows:
+                        t0 = time.perf_counter()
+                        grid_nll[w] = local_window_nll(model, toks, w, start, len(toks) - 1, flash_attn=fa,
+                                                       n_threads=args.threads)
+                        _log(f"  grid: local window {w} ({time.perf_counter() - t0:.1f}s)")
+                    window_nll = grid_nll.get(args.key_window)
+                common = dict(chunk=args.chunk, n_sink=args.n_sink, flash_attn=fa, n_threads=args.threads,
+                              progress=lambda m: _log("  " + m), answer=answer, key_window=args.key_window or None,
+                              key_threshold=args.key_threshold, keep_positions=bool(grid_windows))
+                trace_rows = evaluate_trace(model, toks, policies, budgets, recent_fraction=args.recent_fraction,
+                                            window_nll=window_nll, **common)
                 if cal is not None:  # its own recent share, so its own evaluate_trace call
-                    trace_rows += evaluate_trace(model, toks, [calibrated_spec(cal)], budgets, chunk=args.chunk,
-                                                 n_sink=args.n_sink, recent_fraction=cal.recent_fraction,
-                                                 flash_attn=not args.no_flash_attn, n_threads=args.threads,
-                                                 progress=lambda m: _log("  " + m))
+                    trace_rows += evaluate_trace(model, toks, [calibrated_spec(cal)], budgets,
+                                                 recent_fraction=cal.recent_fraction, window_nll=window_nll, **common)
+                passes = {}
                 for r in trace_rows:
+                    pp = r.pop("_per_position", None)
+                    if pp is not None:
+                        passes[(r["policy"], r["kv_budget"])] = pp
                     r = {"trace_id": tid, **r, "model": model_path.name}
                     rows.append(r)
-                    f.write(json.dumps(r) + "\n")
+                    f.write(json.dumps(_clean(r)) + "\n")
                 f.flush()
+                if grid_nll:
+                    grid_traces.append({"positions": np.arange(start, len(toks) - 1), "window_nll": grid_nll,
+                                        "passes": passes})
 
-    summary = summarize(rows, n_resamples=args.bootstrap, seed=args.seed)
+    summary = summarize(rows, n_resamples=args.bootstrap, seed=args.seed, baseline=args.paired_baseline)
     wall = time.perf_counter() - t_start
     doc = {
         "command": shlex.join([sys.executable] + sys.argv),
@@ -274,13 +415,32 @@ def run(args) -> int:
                                      {"path": cal.path, "layer_a": cal.layer_a, "layer_b": cal.layer_b,
                                       "window": cal.window, "recent_fraction": cal.recent_fraction}),
                      "bootstrap_resamples": args.bootstrap, "seed": args.seed, "quick": bool(args.quick),
-                     "metrics_at": "positions t >= kv_budget (prediction of token t+1)"},
+                     "metrics_at": "positions t >= kv_budget (prediction of token t+1)",
+                     "key_window": args.key_window or None, "key_threshold": args.key_threshold if args.key_window else None,
+                     "key_window_stride_fraction": WINDOW_STRIDE_FRACTION,
+                     "key_definition": "nll(fresh local window of >= key_window tokens) - nll(full cache) > "
+                                       "key_threshold, positions t >= kv_budget of the trace",
+                     "answer_span": answer_span,
+                     "answer_definition": ("gold 'answer' appended as '\\n\\n**Final Answer**\\n\\[ \\boxed{' + answer "
+                                           "+ '} \\]'; the answer's own tokens are scored") if answer_span else None,
+                     "paired_baseline": args.paired_baseline},
         "wall_seconds": round(wall, 1),
         "results": summary,
     }
-    summary_path = out_dir / f"fidelity_{name}_summary.json"
-    summary_path.write_text(json.dumps(doc, indent=2) + "\n")
-    print_table(summary)
+    summary_path = out_dir / f"{args.prefix}_{name}_summary.json"
+    summary_path.write_text(json.dumps(_clean(doc), indent=2) + "\n")
+    print_table(summary, baseline=args.paired_baseline)
+    if grid_traces:
+        grid = key_grid(grid_traces, grid_windows, grid_thresholds, n_resamples=args.bootstrap, seed=args.seed)
+        gb = args.grid_budget or max(budgets)
+        choice = select_key_setting(grid, gb)
+        grid_path = out_dir / f"{args.prefix}_{name}_keygrid.json"
+        grid_path.write_text(json.dumps({"command": doc["command"], "git_revision": doc["git_revision"],
+                                         "date": doc["date"], "settings": doc["settings"],
+                                         "rule": select_key_setting.__doc__.strip(), "choice": choice,
+                                         "grid": _clean(grid)}, indent=2) + "\n")
+        print_grid(grid, choice)
+        _log(f"wrote {grid_path}")
     _log(f"wrote {jsonl} and {summary_path} ({wall:.0f}s)")
     return 0
 

@@ -40,6 +40,23 @@ case "$mode" in
         exec "$PY" scripts/gpu_check.py "$@"
         ;;
     gpu|cpu)
+        if [ "$mode" = gpu ]; then
+            # the CUDA build's libraries (libggml-cuda) need the toolkit's runtime (cudart, cublas) at load time,
+            # and the loader reads LD_LIBRARY_PATH only when a process starts: set it here
+            nvcc_bin=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -n 1 || true)
+            nvcc_root=${nvcc_bin:+$(dirname "$(readlink -f "$nvcc_bin")")/..}
+            for d in ${nvcc_root:+"$nvcc_root/lib64" "$nvcc_root/lib" "$nvcc_root/targets/x86_64-linux/lib"} \
+                     /usr/local/cuda/lib64 /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
+                if [ -d "$d" ]; then
+                    d=$(cd "$d" && pwd -P)
+                    case ":${LD_LIBRARY_PATH:-}:" in
+                        *":$d:"*) ;;
+                        *) LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d" ;;
+                    esac
+                fi
+            done
+            export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
+        fi
         if [ -z "$out" ]; then
             out=${OUT:-build/gpu_check_out}
             set -- "$@" --out "$out"

@@ -70,8 +70,13 @@ def test_remote_layers_capture_score_and_evict(model_path, rpc_servers):
     ref = logits_of(local, tokens)
     remote = Model(model_path, n_gpu_layers=-1, rpc_servers=",".join(rpc_servers))
     try:
+        remote.nat.log.info.clear()
         got = logits_of(remote, tokens)
-        assert np.abs(got - ref).max() <= TOLERANCE
+        # the layers and their KV cache really live on the RPC servers (llama.cpp's own report)
+        assert any("RPC" in line and "KV buffer size" in line for line in remote.nat.log.info), list(remote.nat.log.info)
+        diff = float(np.abs(got - ref).max())
+        print(f"max |logit difference| remote vs local: {diff}")
+        assert diff <= TOLERANCE
         prompt = remote.tokenize("Write a story about a lighthouse keeper.")
         budget = BudgetConfig(kv_budget=48, n_recent=16)
         runs = {}

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..engine.budget import BudgetConfig
-from ..engine.handles import KV_TYPES, Model
+from ..engine.handles import KV_TYPES, Closing, Model
 from ..engine.native import load
 from ..engine.session import Session, SessionConfig
 from ..errors import ConfigError, ModelError
@@ -109,7 +109,7 @@ def _criteria(stopping_criteria, prompt: list[int], session: Session):
     return should_stop
 
 
-class Llama:
+class Llama(Closing):
     """A GGUF model with one budgeted KV cache, shaped like ``llama_cpp.Llama`` (see docs/api.md).
 
     kv_budget: live KV cells (tokens) kept; beyond it the policy evicts. Default: ``n_ctx`` when given,
@@ -226,18 +226,6 @@ class Llama:
         stack, self._stack = getattr(self, "_stack", None), None
         if stack is not None:
             stack.close()
-
-    def __enter__(self) -> "Llama":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     @property
     def session(self) -> Session:
@@ -450,6 +438,9 @@ class Llama:
         handler of this model; reasoning is split into ``reasoning_content``. The conversation's common prefix
         with the previous call stays in the cache."""
         check_messages(messages)
+        # content given as text parts is joined (as llama-server does): chat templates expect strings
+        messages = [{**m, "content": "\n".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list)
+                    else m for m in messages]
         if response_format is not None and not isinstance(response_format, dict):
             raise ConfigError(f"response_format must be a dict like {{'type': 'text'}}, got {response_format!r}")
         self._refuse(tools=tools or functions, logprobs=logprobs, response_format=response_format is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..engine.handles import Model
+from ..engine.handles import Closing, Model
 from ..errors import ConfigError
 
 #: llama.cpp's sampler seed is a uint32
@@ -68,7 +68,7 @@ class SamplingConfig:
         return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
-class Sampler:
+class Sampler(Closing):
     """A llama.cpp sampler chain (owned; context manager)."""
 
     def __init__(self, model: Model, cfg: SamplingConfig):
@@ -122,8 +122,3 @@ class Sampler:
             self.ll.llama_sampler_free(self.chain)
             self.chain = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

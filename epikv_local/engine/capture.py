@@ -33,13 +33,14 @@ import numpy as np
 from ..errors import ConfigError, FlashAttnError, NativeError
 from ..policies.base import Observation, Signals
 from ..policies.scoring import diff_norms
+from .handles import Closing
 from .native import CAPTURE_K, CAPTURE_OUT, MODE_ATTN, MODE_CAPTURE, MODE_IDLE, MODE_PROBE, Native
 from .protocol import KVContext
 
 ROUTES = ("layer_out", "callback")
 
 
-class CallbackHandle:
+class CallbackHandle(Closing):
     """Owns an ``epikv_capture`` (C) handle; pass ``cb_eval``/``user_data`` to the Context. Close after it.
 
     layers: the layers whose ``l_out`` (MODE_CAPTURE) or ``kq_soft_max`` (MODE_ATTN) it reads; may be empty
@@ -120,11 +121,6 @@ class CallbackHandle:
             self.nat.cap.epikv_capture_free(self._h)
             self._h = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def flash_attn_active(nodes: list[tuple[str, str]]) -> bool:

@@ -70,12 +70,14 @@ def parse_rpc_servers(servers: list[str] | str | None) -> list[str]:
 def resolve_threads(n_threads: int | None) -> int:
     """Threads for llama.cpp: ``n_threads`` checked against this machine, or the default.
 
-    Default: the CPUs this process may run on (its affinity mask), at most 8, minus one when there are more
-    than 2, so that a busy neighbour (a desktop always has one) does not stall every decode step.
+    Default: one less than the CPUs this process may run on (its affinity mask), at most 8. llama.cpp's CPU
+    threads meet at a barrier after every graph node, spinning (OpenMP); with every core taken, one busy
+    neighbour (a desktop always has one) deschedules a thread and stalls all the others at each barrier:
+    decoding fell from 61.5 to 0.35 tok/s on 2 cores with one busy (results/busy_core.json).
     """
     avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if n_threads is None:
-        return max(1, min(8, avail - 1 if avail > 2 else avail))
+        return max(1, min(8, avail - 1))
     if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 1 <= n_threads <= 4 * avail:
         raise ConfigError(f"n_threads must be an integer in 1..{4 * avail} (this machine runs {avail} CPUs), "
                           f"got {n_threads!r}")
@@ -114,9 +116,27 @@ class ModelInfo:
         return ModelShape(n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head, n_head_kv=self.n_head_kv)
 
 
-class _Owned:
-    """An owned native handle: ``handle`` raises once closed; ``close()`` frees it once (``_free``); context
-    manager; ``__del__`` is a last resort (prefer ``with``)."""
+class Closing:
+    """``with`` support for objects with a ``close()``; ``__del__`` closes as a last resort (prefer ``with``)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # at interpreter exit, or while a context still holds the model
+            pass
+
+
+class _Owned(Closing):
+    """An owned native handle: ``handle`` raises once closed; ``close()`` frees it once (``_free``)."""
 
     _what = "handle"
     _handle = None
@@ -138,18 +158,6 @@ class _Owned:
 
     def _free(self) -> None:
         raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # at interpreter exit or while a context still holds the model
-            pass
 
 
 class Model(_Owned):

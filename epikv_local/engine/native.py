@@ -97,6 +97,20 @@ def _lib_names(stem: str) -> list[str]:
     return [f"lib{stem}.so"]
 
 
+def _loaded_name(lib_dir: Path, stem: str) -> Path | None:
+    """The file name under which libllama loaded ``lib<stem>`` (its soname, e.g. ``libggml.so.0``).
+
+    Opening the unversioned ``libggml.so`` instead would map a *second* copy, with its own backend registry:
+    a device registered there (an RPC server) would be invisible to llama.cpp."""
+    # the shortest versioned name is the soname (libggml.so.0 beside libggml.so.0.25.3; libggml.0.dylib); a
+    # wheel stores each of these names as a separate copy of the file, so the name decides which copy is used
+    versioned = sorted(lib_dir.glob(f"lib{stem}.so.*") if sys.platform != "darwin" else lib_dir.glob(f"lib{stem}.*.dylib"),
+                       key=lambda q: len(q.name))
+    if versioned:
+        return versioned[0]
+    return next((lib_dir / n for n in _lib_names(stem) if (lib_dir / n).exists()), None)
+
+
 def default_lib_dir() -> Path:
     """The directory holding libllama, ggml and libepikv_capture: ``$EPIKV_LIB_DIR`` or the package's lib/."""
     env = os.environ.get("EPIKV_LIB_DIR")
@@ -255,8 +269,8 @@ def load(lib_dir: Path | None = None, verbose: bool = False) -> Native:
         lib = ffi.dlopen(str(llama_path))
         cap = ffi.dlopen(str(cap_path))
         rpc = None
-        rpc_path = next((lib_dir / n for n in _lib_names("ggml-rpc") if (lib_dir / n).exists()), None)
-        ggml_path = next((lib_dir / n for n in _lib_names("ggml") if (lib_dir / n).exists()), None)
+        rpc_path = _loaded_name(lib_dir, "ggml-rpc")
+        ggml_path = _loaded_name(lib_dir, "ggml")
         if rpc_path is not None and ggml_path is not None:
             ffi.cdef(RPC_CDEF)
             rpc = (ffi.dlopen(str(rpc_path)), ffi.dlopen(str(ggml_path)))

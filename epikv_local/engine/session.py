@@ -24,7 +24,7 @@ from ..errors import ConfigError, NativeError
 from ..policies.base import Policy
 from .budget import BudgetConfig, EngineStats, EvictionEngine, context_cells
 from .capture import ROUTES, CapturePlan
-from .handles import KV_TYPES, Context, Model
+from .handles import KV_TYPES, Closing, Context, Model
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class SessionStats:
     evict_seconds: float = 0.0
 
 
-class Session:
+class Session(Closing):
     """Model + budget-sized context + capture + policy + eviction engine for sequence 0."""
 
     def __init__(self, model: Model, policy: Policy, budget: BudgetConfig, cfg: SessionConfig | None = None,
@@ -131,11 +131,6 @@ class Session:
             stack, self._stack = self._stack, None
             stack.close()
 
-    def __enter__(self) -> "Session":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     @contextlib.contextmanager
     def _use(self):

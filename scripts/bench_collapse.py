@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Free-generation collapse benchmark: sampled generations from MATH-500 prompts under each policy at tight KV
+budgets, against the full cache, measured for degeneration (repetition loops, repeated n-grams, distinct-2/3,
+empty / unboxed / truncated answers). See ``epikv_local/eval/collapse.py`` for the definitions and
+docs/longrange.md for results.
+
+Every (policy, budget) generates from the same prompts with the same per-prompt seed (``--seed`` + prompt index)
+as the full cache (policy ``none``), so differences are paired by prompt. Writes ``<out>/collapse_<name>.json``
+(provenance, settings, every generation with its text and metrics, and the summary: means with bootstrap 95% CIs
+over prompts and paired differences to the full cache) and prints tables. Progress goes to stderr. Bad input:
+one line ``bench_collapse: error: ...``, exit 2.
+
+Examples:
+  .venv/bin/python scripts/bench_collapse.py --quick
+  .venv/bin/python scripts/bench_collapse.py --n-prompts 6 --max-tokens 256 --budgets 64,128 --name dev
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for _p in (REPO, REPO / "scripts"):  # the source tree; bench_fidelity's provenance helpers
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from epikv_local.errors import ConfigError, DataError, run_main  # noqa: E402
+
+PROG = "bench_collapse"
+DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "math500.jsonl"
+DEFAULT_POLICIES = "streaming,epikv,keydiff,h2o"
+QUICK = {"n_prompts": 1, "max_tokens": 48, "budgets": [64], "policies": ["streaming"]}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description="Degeneration of sampled generations under KV eviction vs the full cache.")
+    ap.add_argument("--model", help="GGUF model (default: the cached default model)")
+    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
+                    help="JSONL with 'problem' fields (default ../shared/data/math500.jsonl; the first --n-prompts)")
+    ap.add_argument("--n-prompts", type=int, default=6, help="prompts (default 6)")
+    ap.add_argument("--max-tokens", type=int, default=256, help="generated tokens at most (default 256)")
+    ap.add_argument("--budgets", default="64,128", help="comma-separated KV budgets (default 64,128)")
+    ap.add_argument("--policies", default=DEFAULT_POLICIES,
+                    help=f"comma-separated evicting policies (default {DEFAULT_POLICIES}); the full cache "
+                         "(none) always runs as the baseline")
+    ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default 0.6)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (+1 per prompt; default 0)")
+    ap.add_argument("--n-sink", type=int, default=4, help="protected first tokens (default 4)")
+    ap.add_argument("--recent-fraction", type=float, default=0.5, help="protected recent share of the budget (0.5)")
+    ap.add_argument("--chunk", type=int, default=16, help="prefill tokens per decode (default 16)")
+    ap.add_argument("--threads", type=int, help="CPU threads (default: see handles.resolve_threads)")
+    ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 prompt x 48 tokens, budget 64, streaming")
+    ap.add_argument("--name", help="run name: <out>/collapse_<name>.json (default quick / the prompt file's stem)")
+    ap.add_argument("--out", default="results", help="output directory (default results/)")
+    return ap
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _fmt(m: dict, spec: str) -> str:
+    if m is None or m.get("mean") is None:
+        return "-"
+    return f"{m['mean']:{spec}} [{m['ci_low']:{spec}},{m['ci_high']:{spec}}]"
+
+
+def _clean(x):
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def print_tables(summary: list[dict], file=sys.stdout) -> None:
+    from epikv_local.eval.collapse import BASELINE, COLLAPSE_METRICS
+
+    def label(s):
+        return f"{s['policy']}@{s['kv_budget']}" if s["kv_budget"] is not None else f"{s['policy']} (full)"
+
+    order = sorted(summary, key=lambda s: (s["kv_budget"] is not None, s["kv_budget"] or 0, s["policy"]))
+    w = 21
+    key = f"paired_vs_{BASELINE}"
+    groups = [COLLAPSE_METRICS[i:i + 5] for i in range(0, len(COLLAPSE_METRICS), 5)]
+    for title, get, spec in (("per (policy, budget): mean [95% bootstrap CI over prompts]", lambda s: s, ".2f"),
+                             (f"paired difference to the full cache ({BASELINE}), same prompt and seed: "
+                              "mean [95% paired CI over prompts]", lambda s: s.get(key), "+.2f")):
+        for cols in groups:
+            print(f"\n{title}", file=file)
+            print(f"{'run':<18}" + "".join(f"{m:>{w}}" for m in cols), file=file)
+            for s in order:
+                src = get(s)
+                if src is not None:
+                    print(f"{label(s):<18}" + "".join(f"{_fmt(src.get(m), spec):>{w}}" for m in cols), file=file)
+
+
+def run(args) -> int:
+    from epikv_local.api.chat import apply_chat_template, tokenize_prompt
+    from epikv_local.api.models import default_model_path
+    from epikv_local.engine.handles import Model, check_gguf
+    from epikv_local.eval.collapse import (BASELINE, PREFIX, collapse_metrics, generate_one, load_problems,
+                                           math_prompt, summarize_collapse)
+    from epikv_local.policies import REGISTRY
+
+    if args.quick:
+        n_prompts, max_tokens, budgets, policies = (QUICK["n_prompts"], QUICK["max_tokens"], list(QUICK["budgets"]),
+                                                    list(QUICK["policies"]))
+    else:
+        n_prompts, max_tokens = args.n_prompts, args.max_tokens
+        try:
+            budgets = sorted({int(t) for t in args.budgets.split(",") if t.strip()})
+        except ValueError:
+            raise ConfigError(f"budgets must be comma-separated integers, got {args.budgets!r}") from None
+        policies = list(dict.fromkeys(t.strip() for t in args.policies.split(",") if t.strip()))
+    policies = [p for p in policies if p != BASELINE]
+    if not budgets or any(b < 8 for b in budgets):
+        raise ConfigError(f"budgets must be integers >= 8, got {args.budgets!r}")
+    for p in policies:
+        if p not in REGISTRY:
+            raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(REGISTRY))}")
+    if n_prompts < 1 or max_tokens < 1:
+        raise ConfigError("--n-prompts and --max-tokens must be >= 1")
+    if not 0.0 < args.temperature:
+        raise ConfigError(f"--temperature must be > 0 (sampling), got {args.temperature}")
+    model_path = Path(args.model).expanduser() if args.model else default_model_path()
+    check_gguf(model_path)
+    src = Path(args.prompts)
+    if not src.is_file():
+        raise DataError(f"prompt file not found: {src}")
+    problems = load_problems(src, n_prompts)
+    if not problems:
+        raise DataError(f"no problem in {src}")
+    name = args.name or ("quick" if args.quick else src.stem)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    runs = [(BASELINE, None)] + [(p, b) for b in budgets for p in policies]
+    rows = []
+    t_start = time.perf_counter()
+    with Model(model_path) as model:
+        for i, prob in enumerate(problems):
+            prompt = tokenize_prompt(model, apply_chat_template(model, math_prompt(prob["problem"])))
+            seed = args.seed + i
+            for policy, budget in runs:
+                g = generate_one(model, prompt, policy, budget, max_tokens, seed, temperature=args.temperature,
+                                 top_p=args.top_p, n_sink=args.n_sink, recent_fraction=args.recent_fraction,
+                                 chunk=args.chunk, n_threads=args.threads)
+                m = collapse_metrics(g["tokens"], g["text"], g["stop_reason"])
+                row = {"prompt_id": prob["id"], "prompt_index": i, "seed": seed, "n_prompt_tokens": len(prompt),
+                       "policy": policy, "kv_budget": budget, **m,
+                       **g}
+                rows.append(row)
+                _log(f"prompt {i + 1}/{len(problems)} {policy}@{budget or 'full'}: {g['n_generated']} tokens "
+                     f"({g['stop_reason']}), distinct-2 {m['distinct_2']:.2f}, loop {int(m['loop'])}, "
+                     f"longest repeat {m['longest_repeat_share']:.2f} ({g['seconds']:.1f}s)")
+    summary = summarize_collapse(rows, n_resamples=args.bootstrap, seed=0)
+    wall = time.perf_counter() - t_start
+    from bench_fidelity import git_revision, model_fingerprint
+
+    doc = {"command": shlex.join([sys.executable] + sys.argv), "git_revision": git_revision(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                       "cpu_count": os.cpu_count(), "threads": args.threads},
+           "model": model_fingerprint(model_path),
+           "settings": {"prompts": str(src), "prompt_ids": [p["id"] for p in problems], "n_prompts": len(problems),
+                        "prompt_suffix": math_prompt(""), "chat_template": True, "max_tokens": max_tokens,
+                        "distinct_prefix_tokens": PREFIX,
+                        "budgets": budgets, "policies": policies, "baseline": BASELINE,
+                        "temperature": args.temperature, "top_p": args.top_p,
+                        "seed": "seed + prompt index, same for every policy", "seed_base": args.seed,
+                        "n_sink": args.n_sink, "recent_fraction": args.recent_fraction, "protect_prompt": False,
+                        "chunk": args.chunk, "bootstrap_resamples": args.bootstrap, "quick": bool(args.quick)},
+           "wall_seconds": round(wall, 1), "summary": summary, "rows": rows}
+    path = out_dir / f"collapse_{name}.json"
+    path.write_text(json.dumps(_clean(doc), indent=2) + "\n")
+    print_tables(summary)
+    _log(f"wrote {path} ({wall:.0f}s)")
+    return 0
+
+
+def _main(argv: list[str] | None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(PROG, _main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
