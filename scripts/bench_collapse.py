@@ -90,6 +90,14 @@ def _clean(x):
     return x
 
 
+def dump(doc: dict) -> str:
+    """The result document as JSON: indented, except one line per generation row (their token lists)."""
+    rows = doc.get("rows", [])
+    text = json.dumps(_clean({**doc, "rows": []}), indent=2)
+    body = ",\n".join("    " + json.dumps(_clean(r)) for r in rows)
+    return text.replace('"rows": []', '"rows": [\n' + body + "\n  ]" if rows else '"rows": []') + "\n"
+
+
 def print_tables(summary: list[dict], file=sys.stdout) -> None:
     from epikv_local.eval.collapse import BASELINE, COLLAPSE_METRICS
 
@@ -190,7 +198,7 @@ def run(args) -> int:
                         "chunk": args.chunk, "bootstrap_resamples": args.bootstrap, "quick": bool(args.quick)},
            "wall_seconds": round(wall, 1), "summary": summary, "rows": rows}
     path = out_dir / f"collapse_{name}.json"
-    path.write_text(json.dumps(_clean(doc), indent=2) + "\n")
+    path.write_text(dump(doc))
     print_tables(summary)
     _log(f"wrote {path} ({wall:.0f}s)")
     return 0

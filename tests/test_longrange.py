@@ -154,6 +154,9 @@ def test_collapse_metrics_loop_vs_varied():
     assert var["loop"] == 0.0 and var["loop_share"] == 0.0 and var["distinct_2"] == 1.0 and var["distinct_3"] == 1.0
     assert var["longest_repeat_share"] == pytest.approx(1 / 32)  # "the" twice
     assert (loop["no_boxed"], loop["hit_max_tokens"], var["no_boxed"], var["hit_max_tokens"]) == (1, 1, 0, 0)
+    assert loop["distinct_2_prefix"] == pytest.approx(C.distinct_n(lw[:64], 2))  # first 64 of 65 words
+    assert math.isnan(var["distinct_2_prefix"])  # 32 words: shorter than the prefix
+    assert C.collapse_metrics(vw, VARIED, "eog", prefix=10)["distinct_3_prefix"] == 1.0
     assert C.collapse_metrics([], "  ", "eog")["empty"] == 1.0
 
 

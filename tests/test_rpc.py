@@ -99,3 +99,16 @@ def test_bad_rpc_endpoints_are_clear_errors(model_path):
         Model(model_path, rpc_servers="localhost")
     with pytest.raises(ModelError, match="cannot reach"):
         Model(model_path, rpc_servers=f"127.0.0.1:{free_port()}")
+
+
+def test_a_model_without_rpc_servers_stays_local_after_one_used_them(model_path, rpc_servers):
+    """RPC devices stay registered in ggml for the process's lifetime: a later model that did not ask for them
+    must not offload there (the servers may be gone)."""
+    with Model(model_path, n_gpu_layers=-1, rpc_servers=",".join(rpc_servers)):
+        pass
+    with Model(model_path, n_gpu_layers=-1) as m:
+        m.nat.log.info.clear()
+        with Context(m, n_ctx=256, n_batch=64, n_threads=1):
+            pass
+        assert not any("RPC" in line for line in m.nat.log.info)
+        assert any("CPU KV buffer size" in line for line in m.nat.log.info)

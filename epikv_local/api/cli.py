@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from ..policies import REGISTRY
+from .options import add_budget_args, add_model_args, add_sampling_args
 
 DEMO_PROMPT = (
     "Solve step by step, checking each step: a train travels 60 km in the first hour and 45 km in the second "
@@ -20,67 +20,20 @@ DEMO_PROMPT = (
 )
 
 
-def _layers_arg(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers takes one or two comma-separated integers, got {text!r}")
-    if not 1 <= len(vals) <= 2:
-        raise argparse.ArgumentTypeError(f"--layers takes one or two layers, got {len(vals)}")
-    return vals
-
-
-def _policy_help() -> str:
-    attn = sorted(n for n, s in REGISTRY.items() if s.cls.needs_attention)
-    return f"eviction policy (attention-based ones need --no-flash-attn: {', '.join(attn)})"
-
-
 def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
-    from ..engine.handles import KV_TYPES
-
+    add_model_args(p, model=not demo)
     if not demo:
-        p.add_argument("-m", "--model", required=True, help="path to a GGUF model file")
         p.add_argument("-p", "--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", default=demo, help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("-n", "--max-tokens", type=int, default=600 if demo else None,
                    help="stop after this many tokens (default: none for generate, the KV budget bounds memory)")
-    p.add_argument("--kv-budget", type=int, default=256 if demo else 2048, help="maximum live KV cells")
-    p.add_argument("--policy", "--kv-policy", dest="policy", choices=sorted(REGISTRY), default="epikv",
-                   help=_policy_help())
-    p.add_argument("--n-sink", type=int, default=4, help="first tokens never evicted")
-    p.add_argument("--n-recent", type=int, default=None,
-                   help="recent tokens kept (default: the recent share of the budget, 0.5 or the calibration's)")
-    p.add_argument("--evict-chunk", type=int, default=16, help="minimum positions evicted per round")
-    p.add_argument("--no-protect-prompt", action="store_true", help="allow evicting prompt tokens")
-    p.add_argument("--layers", type=_layers_arg, default=None,
-                   help="policy setting 'layers': EPIKV layers A[,B] of this model (default: 10,21 of 32 mapped "
-                        "by relative depth, or the model's calibration)")
-    p.add_argument("--window", type=int, default=None,
-                   help="policy setting 'window': rolling z-score window in tokens (default 128, or the "
-                        "model's calibration)")
+    add_budget_args(p, kv_budget=256 if demo else 2048)
+    add_sampling_args(p)
     p.add_argument("--capture", choices=["layer_out", "callback"], default="layer_out", help="capture route of g")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
-                   help="layers offloaded to the GPU on a GPU build (-1: all; CPU builds ignore it)")
-    p.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
-                   help="offload layers to llama.cpp rpc-server processes (trusted network only; docs/rpc.md)")
-    p.add_argument("-ctk", "--cache-type-k", choices=list(KV_TYPES), default="f16", help="KV cache type of K")
-    p.add_argument("-ctv", "--cache-type-v", choices=list(KV_TYPES), default="f16", help="KV cache type of V")
-    p.add_argument("--no-flash-attn", action="store_true", help="run with flash attention off")
-    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.6,
-                   help="sampling temperature (<= 0: greedy); 0.6 as reasoning model cards recommend")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=0, help="(0: off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="(0: off)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="(1: off)")
-    p.add_argument("-s", "--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="llama.cpp threads (default: CPUs available - 1)")
-    p.add_argument("-b", "--batch", type=int, default=64, help="tokens per decode call (ubatch)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the text and the statistics instead of streaming")
-    p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     p.add_argument("--html", metavar="PATH", default=None,
                    help="also write a self-contained HTML token view of the run: every token coloured by its "
                         "policy score, evicted ones struck through (docs/token_view.md)")

@@ -60,12 +60,10 @@ _END = object()
 # -- the command line ----------------------------------------------------------------------------------------------
 def add_args(p) -> None:
     """Add ``serve``'s arguments to its argparse subparser (generate's names where they mean the same)."""
-    from ..engine.handles import KV_TYPES
-    from ..policies import REGISTRY
-    from .cli import _layers_arg, _policy_help
+    from .options import add_budget_args, add_model_args
     from .reasoning import FORMATS
 
-    p.add_argument("-m", "--model", required=True, help="path to a GGUF model file")
+    add_model_args(p)
     p.add_argument("--model-alias", default=None,
                    help="model id in /v1/models and responses; unset: the model file's name")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (0.0.0.0: every interface)")
@@ -74,31 +72,11 @@ def add_args(p) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*; unset: no key (/health is always open)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests that may wait while one runs; more are answered 503")
-    p.add_argument("--kv-budget", type=int, default=2048, help="maximum live KV cells")
-    p.add_argument("--policy", "--kv-policy", dest="policy", choices=sorted(REGISTRY), default="epikv",
-                   help=_policy_help())
-    p.add_argument("--n-sink", type=int, default=4, help="first tokens never evicted")
-    p.add_argument("--n-recent", type=int, default=None,
-                   help="recent tokens kept; unset: the recent share of the budget (0.5, or the calibration's)")
-    p.add_argument("--evict-chunk", type=int, default=16, help="minimum positions evicted per round")
-    p.add_argument("--no-protect-prompt", action="store_true", help="allow evicting prompt tokens")
-    p.add_argument("--layers", type=_layers_arg, default=None,
-                   help="policy setting 'layers': EPIKV layers A[,B]; unset: 10,21 of 32 mapped by depth, or the "
-                        "calibration")
-    p.add_argument("--window", type=int, default=None,
-                   help="policy setting 'window': rolling z-score window in tokens; unset: 128, or the calibration")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
-                   help="layers offloaded to the GPU on a GPU build (-1: all; CPU builds ignore it)")
-    p.add_argument("-ctk", "--cache-type-k", choices=list(KV_TYPES), default="f16", help="KV cache type of K")
-    p.add_argument("-ctv", "--cache-type-v", choices=list(KV_TYPES), default="f16", help="KV cache type of V")
-    p.add_argument("--no-flash-attn", action="store_true", help="run with flash attention off")
-    p.add_argument("-t", "--threads", type=int, default=None, help="llama.cpp threads; unset: CPUs available - 1")
-    p.add_argument("-b", "--batch", type=int, default=64, help="tokens per decode call (ubatch)")
+    add_budget_args(p)
     p.add_argument("--reasoning-format", choices=list(FORMATS), default="deepseek",
                    help="deepseek: <think>...</think> goes to reasoning_content; none: it stays in content")
     p.add_argument("--chat-format", default=None,
                    help="a llama-cpp-python chat format name; unset: the GGUF's chat template")
-    p.add_argument("--verbose", action="store_true", help="show llama.cpp's log and uvicorn's access log")
 
 
 def _check_args(args) -> None:
@@ -159,13 +137,10 @@ def run(args) -> int:
         except ImportError:
             raise ConfigError('the server needs uvicorn: pip install "llama-cpp-python[server]==0.3.36"') from None
         from .llama import Llama
+        from .options import llama_kwargs
 
-        llama = Llama(model_path, n_gpu_layers=args.n_gpu_layers, n_batch=args.batch, n_threads=args.threads,
-                      flash_attn=not args.no_flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,
-                      chat_format=args.chat_format, verbose=args.verbose, kv_budget=args.kv_budget,
-                      kv_policy=args.policy, kv_policy_settings={"layers": args.layers, "window": args.window},
-                      n_sink=args.n_sink, n_recent=args.n_recent, protect_prompt=not args.no_protect_prompt,
-                      evict_chunk=args.evict_chunk, reasoning_format=args.reasoning_format)
+        llama = Llama(**{**llama_kwargs(args), "model_path": model_path}, chat_format=args.chat_format,
+                      reasoning_format=args.reasoning_format)
         app = None
         try:
             if llama.calibration is not None:

@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from ..errors import ConfigError, EpikvError, first_line
-from ..policies import REGISTRY
 
 PROG = "epikv-local"
 PROMPT = "> "
@@ -65,38 +64,15 @@ A message that starts with / is typed as //...\
 # -- arguments -----------------------------------------------------------------------------------------------
 def add_args(p: argparse.ArgumentParser) -> None:
     """Add this command's arguments to its argparse subparser (``generate``'s flags where they mean the same)."""
-    from ..engine.handles import KV_TYPES
+    from .options import add_budget_args, add_model_args, add_sampling_args
 
-    attn = sorted(n for n, s in REGISTRY.items() if s.cls.needs_attention)
-    p.add_argument("-m", "--model", required=True, help="path to a GGUF model file")
-    p.add_argument("--kv-budget", type=int, default=2048, help="maximum live KV cells (the whole conversation)")
-    p.add_argument("--policy", "--kv-policy", dest="policy", choices=sorted(REGISTRY), default="epikv",
-                   help=f"eviction policy (attention-based ones need --no-flash-attn: {', '.join(attn)})")
-    p.add_argument("--n-sink", type=int, default=4, help="first tokens never evicted")
-    p.add_argument("--n-recent", type=int, default=None,
-                   help="recent tokens kept (default: the recent share of the budget, 0.5 or the calibration's)")
-    p.add_argument("--evict-chunk", type=int, default=16, help="minimum positions evicted per round")
-    p.add_argument("--no-protect-prompt", action="store_true", help="allow evicting the first prompt's tokens")
+    add_model_args(p)
+    add_budget_args(p)
+    add_sampling_args(p)
     p.add_argument("--system", default=None, help="system message (kept by /reset)")
     p.add_argument("-n", "--max-tokens", type=int, default=None,
                    help="stop each answer after this many tokens (default: none, the KV budget bounds memory)")
-    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.6,
-                   help="sampling temperature (<= 0: greedy); 0.6 as reasoning model cards recommend")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=0, help="(0: off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="(0: off)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="(1: off)")
-    p.add_argument("-s", "--seed", type=int, default=0, help="sampling seed (every answer starts from it)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
-                   help="layers offloaded to the GPU on a GPU build (-1: all; CPU builds ignore it)")
-    p.add_argument("-ctk", "--cache-type-k", choices=list(KV_TYPES), default="f16", help="KV cache type of K")
-    p.add_argument("-ctv", "--cache-type-v", choices=list(KV_TYPES), default="f16", help="KV cache type of V")
-    p.add_argument("--no-flash-attn", action="store_true", help="run with flash attention off")
-    p.add_argument("-t", "--threads", type=int, default=None, help="llama.cpp threads (default: CPUs available - 1)")
-    p.add_argument("-b", "--batch", type=int, default=64, help="tokens per decode call (ubatch)")
     p.add_argument("--hide-reasoning", action="store_true", help="do not show the reasoning (<think>...</think>)")
-    p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
 
 
 # -- rendering -----------------------------------------------------------------------------------------------
@@ -357,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
     """The chat loop; returns the exit status (0 on /exit, /quit or end of input)."""
     from ..engine.handles import check_gguf
     from .llama import Llama
+    from .options import llama_kwargs
 
     _check_args(args)
     model_path = check_gguf(args.model)
@@ -365,11 +342,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     out, err = sys.stdout, sys.stderr
-    llm = Llama(model_path=str(model_path), kv_budget=args.kv_budget, kv_policy=args.policy, n_sink=args.n_sink,
-                n_recent=args.n_recent, evict_chunk=args.evict_chunk, protect_prompt=not args.no_protect_prompt,
-                n_gpu_layers=args.n_gpu_layers, type_k=args.cache_type_k, type_v=args.cache_type_v,
-                flash_attn=not args.no_flash_attn, n_threads=args.threads, n_batch=args.batch, seed=args.seed,
-                verbose=args.verbose)
+    llm = Llama(**{**llama_kwargs(args), "model_path": str(model_path)}, seed=args.seed)
     with llm:
         chat = Chat(llm, args, out, err, use_color(out))
         calib = f", calibration {llm.calibration.path}" if llm.calibration is not None else ""

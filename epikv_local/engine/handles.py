@@ -170,11 +170,16 @@ class Model(_Owned):
                  rpc_servers: list[str] | str | None = None):
         self.path = check_gguf(path)
         self.nat = native or load()
-        for endpoint in parse_rpc_servers(rpc_servers):
+        endpoints = parse_rpc_servers(rpc_servers)
+        for endpoint in endpoints:
             self.nat.add_rpc_server(endpoint)
         ll = self.nat.llama
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        devices = self.nat.offload_devices(endpoints)
+        if devices is not None:  # NULL-terminated ggml_backend_dev_t array, alive until the model is loaded
+            dev_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            params.devices = ctypes.cast(dev_array, ctypes.c_void_p).value
         self.nat.log.clear()
         handle = ll.llama_model_load_from_file(str(self.path).encode(), params)
         if self.nat.log.interrupted:

@@ -50,10 +50,17 @@ void    llama_set_kv_full_callback(struct llama_context * ctx, llama_kv_full_cal
 # ggml-rpc.h / ggml-backend.h: llama.cpp's RPC backend (libggml-rpc, built when GGML_RPC=ON)
 RPC_CDEF = """
 typedef struct ggml_backend_reg * ggml_backend_reg_t;
+typedef struct ggml_backend_device * ggml_backend_dev_t;
 ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
 void ggml_backend_register(ggml_backend_reg_t reg);
 size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+size_t ggml_backend_dev_count(void);
+ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+int ggml_backend_dev_type(ggml_backend_dev_t device);
 """
+# enum ggml_backend_dev_type (ggml-backend.h)
+DEV_TYPE_GPU, DEV_TYPE_IGPU = 1, 2
 
 CAPTURE_CDEF = """
 #define EPIKV_MODE_CAPTURE 1
@@ -185,8 +192,8 @@ class Native:
     cap: Any  # cffi handle of libepikv_capture
     log: LlamaLog
     _keep: list = field(default_factory=list)
-    rpc: Any = None  # cffi handle of libggml-rpc + libggml (None when built without GGML_RPC)
-    _rpc_servers: dict = field(default_factory=dict)  # endpoint -> number of devices registered
+    rpc: Any = None  # cffi handles of libggml-rpc + libggml (None when built without GGML_RPC)
+    _rpc_servers: dict = field(default_factory=dict)  # endpoint -> its devices (cffi pointers)
 
     def add_rpc_server(self, endpoint: str) -> int:
         """Register the devices of an ``rpc-server`` at ``host:port`` with ggml (once per endpoint and process);
@@ -195,12 +202,30 @@ class Native:
             raise NativeError("this build has no RPC backend: rebuild with CMAKE_ARGS=\"-DGGML_RPC=ON\" "
                               "(rm -rf build first)")
         if endpoint not in self._rpc_servers:
+            g = self.rpc[1]
             reg = self.rpc[0].ggml_backend_rpc_add_server(endpoint.encode())
             if reg == self.ffi.NULL:
                 raise self.error(f"ggml_backend_rpc_add_server({endpoint}) failed")
-            self.rpc[1].ggml_backend_register(reg)
-            self._rpc_servers[endpoint] = int(self.rpc[1].ggml_backend_reg_dev_count(reg))
-        return self._rpc_servers[endpoint]
+            g.ggml_backend_register(reg)
+            self._rpc_servers[endpoint] = [g.ggml_backend_reg_dev_get(reg, i)
+                                           for i in range(g.ggml_backend_reg_dev_count(reg))]
+        return len(self._rpc_servers[endpoint])
+
+    def offload_devices(self, endpoints: list[str]) -> list[int] | None:
+        """The devices a model may offload to (addresses for ``llama_model_params.devices``): the named RPC
+        servers' devices, then the local GPUs; None (llama.cpp's default: every device) while no RPC server was
+        ever registered. A registered server stays in ggml's registry for the process's lifetime, so a model
+        that did not ask for it must be given an explicit list that leaves it out."""
+        if not self._rpc_servers:
+            return None
+        g = self.rpc[1]
+        remote = {self.address(d) for devs in self._rpc_servers.values() for d in devs}
+        local = [g.ggml_backend_dev_get(i) for i in range(g.ggml_backend_dev_count())]
+        gpus = [self.address(d) for d in local if g.ggml_backend_dev_type(d) == DEV_TYPE_GPU
+                and self.address(d) not in remote]
+        igpus = [self.address(d) for d in local if g.ggml_backend_dev_type(d) == DEV_TYPE_IGPU]
+        wanted = [self.address(d) for ep in endpoints for d in self._rpc_servers[ep]]
+        return wanted + (gpus or igpus)
 
     # -- pointer conversion between llama_cpp (ctypes) handles and cffi ------------------------------------
     def as_cffi(self, ctype: str, handle: Any) -> Any:
