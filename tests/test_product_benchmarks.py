@@ -1,0 +1,62 @@
+"""The product benchmark scripts run end to end in a small mode and write their JSON (the committed results
+come from the full-size commands in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(script: str, *args, timeout=600) -> dict:
+    out = Path(args[args.index("--out") + 1])
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / script), *map(str, args)], capture_output=True,
+                       text=True, timeout=timeout, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_multiturn(tmp_path):
+    d = run("bench_multiturn.py", "--rounds", "1", "--turn1-tokens", "60", "--kv-budget", "96", "--out",
+            tmp_path / "m.json")
+    r = d["rounds"][0]
+    assert r["reuse"]["decoded"] < r["fresh"]["decoded"] == r["turn2_prompt_tokens"]
+
+
+def test_quant_kv(tmp_path):
+    d = run("bench_quant_kv.py", "--n-traces", "1", "--max-tokens", "200", "--budgets", "96", "--policies",
+            "streaming", "--generated", "1024", "--memory-budget", "128", "--threads", "2", "--out", tmp_path / "q.json")
+    kinds = {(s["type"], s["cache"]) for s in d["summary"]}
+    assert {("q8_0", "full"), ("q4_0", "budget 96"), ("f16", "budget 96")} <= kinds
+    mem = {(m["cache"], m["type"]): m["kv_mib_llama_cpp"] for m in d["memory"]}
+    assert mem[("budget 128", "q4_0")] < mem[("budget 128", "f16")] < mem[("full cache", "f16")]
+
+
+def test_evict_scaling(tmp_path):
+    d = run("bench_evict_scaling.py", "--budgets", "256,512", "--tokens", "40", "--threads", "2", "--out",
+            tmp_path / "e.json")
+    assert len(d["rows"]) == 4 and all(r["rounds"] > 0 and r["max_live"] <= r["budget"] for r in d["rows"])
+
+
+def test_soak_passes_and_fails(tmp_path):
+    d = run("soak.py", "--tokens", "400", "--warmup", "100", "--every", "100", "--kv-budget", "64", "--out",
+            tmp_path / "s.json")
+    assert d["passed"] and d["max_live_cells"] <= 64 and len(d["samples"]) >= 4
+    # a growth limit below zero cannot be met: the script says FAIL and exits 1 (the check can fail)
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "soak.py"), "--tokens", "300", "--warmup", "100",
+                        "--every", "100", "--kv-budget", "64", "--max-growth", "-0.5"], capture_output=True,
+                       text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 1 and "FAIL" in r.stdout
+
+
+@pytest.mark.parametrize("script", ["bench_busy.py", "bench_multiturn.py", "bench_quant_kv.py",
+                                    "bench_evict_scaling.py", "soak.py", "bench_server.py"])
+def test_help(script):
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode == 0 and "usage:" in r.stdout
