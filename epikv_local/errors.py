@@ -8,6 +8,8 @@ written against llama-cpp-python keeps working. This module imports nothing of t
 
 from __future__ import annotations
 
+import threading
+
 
 class EpikvError(Exception):
     """Base class of every expected epikv-local failure (one-line message naming the problem)."""
@@ -51,11 +53,26 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+#: set by a Ctrl-C seen by :func:`interrupt_handler` (or a deferred one): a KeyboardInterrupt that Python had to
+#: drop (inside a ctypes callback or a __del__) still stops the generation loop at its next token
+INTERRUPTED = threading.Event()
+
+
+def interrupt_handler(signum, frame):
+    """SIGINT handler of the commands: Python's behaviour (KeyboardInterrupt), remembered in INTERRUPTED."""
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
 def run_main(prog: str, main, argv=None) -> int:
     """Run ``main(argv) -> int`` as a command: an EpikvError becomes one ``<prog>: error: ...`` line on stderr
     and exit status 2, Ctrl-C exit status 130 without a traceback; every other exception propagates."""
+    import signal
     import sys
 
+    INTERRUPTED.clear()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, interrupt_handler)
     try:
         return main(argv)
     except EpikvError as e:

@@ -73,6 +73,15 @@ def main(argv=None) -> int:
         raise ConfigError(f"--budgets takes comma-separated integers, got {args.budgets!r}") from None
     model_path = check_gguf(args.model) if args.model else default_model_path()
     rows = []
+
+    def save():  # after every row, atomically: a long run that is stopped keeps what it measured
+        if args.out:
+            doc = {"command": "python scripts/bench_evict_scaling.py "
+                              + " ".join(argv if argv is not None else sys.argv[1:]),
+                   "git_rev": git_rev(), "machine": machine(), "model": Path(model_path).name,
+                   "settings": vars(args), "rows": rows}
+            write_atomic(args.out, json.dumps(doc, indent=2) + "\n")
+
     with Model(model_path) as model:
         text = " ".join(trace_text(r) for _, r in read_jsonl(default_dev_traces(), "trace file"))
         tokens = model.tokenize(text)
@@ -85,14 +94,10 @@ def main(argv=None) -> int:
             for p in args.policies.split(","):
                 r = one(model, tokens, b, p, args.tokens, args.evict_chunk, args.threads)
                 rows.append(r)
+                save()
                 print(f"budget {b:>6} {p:<10} round {r['mean_round_ms']:8.3f} ms  decode step "
                       f"{r['mean_decode_step_ms']:8.2f} ms  round/step {r['round_share_of_step'] * 100:5.1f} %  "
                       f"amortized {r['amortized_share'] * 100:5.2f} %", flush=True)
-    doc = {"command": "python scripts/bench_evict_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "git_rev": git_rev(), "machine": machine(), "model": Path(model_path).name, "settings": vars(args),
-           "rows": rows}
-    if args.out:
-        write_atomic(args.out, json.dumps(doc, indent=2) + "\n")
     return 0
 
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
 from ..engine.session import Session
-from ..errors import ConfigError
+from ..errors import INTERRUPTED, ConfigError
 from .sampling import Sampler, SamplingConfig
 
 
@@ -88,6 +88,8 @@ def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, stats: 
         stats.prefill_seconds = time.perf_counter() - t0
         stats.n_prompt_reused = start
     while True:
+        if INTERRUPTED.is_set():  # a Ctrl-C that Python dropped somewhere (see errors.INTERRUPTED)
+            raise KeyboardInterrupt
         t1 = time.perf_counter()
         tok = session.sample(sampler)
         yield tok

@@ -181,11 +181,14 @@ class Model(_Owned):
             dev_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
             params.devices = ctypes.cast(dev_array, ctypes.c_void_p).value
         self.nat.log.clear()
-        handle = ll.llama_model_load_from_file(str(self.path).encode(), params)
-        if self.nat.log.interrupted:
+        handle = None
+        try:
+            with self.nat.deferred_interrupt():
+                handle = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        except KeyboardInterrupt:
             if handle:
                 ll.llama_model_free(handle)
-            self.nat.check_interrupt()
+            raise
         if not handle:
             raise ModelError(f"llama.cpp could not load {self.path}: {self.nat.log.recent_errors() or 'unknown error'}")
         self._handle = handle
@@ -352,11 +355,14 @@ class Context(_Owned):
             p.cb_eval_user_data = ctypes.c_void_p(cb_eval_user_data)
         self.flash_attn_requested = flash_attn
         self.nat.log.clear()
-        handle = ll.llama_init_from_model(model.handle, p)
-        if self.nat.log.interrupted:
+        handle = None
+        try:
+            with self.nat.deferred_interrupt():
+                handle = ll.llama_init_from_model(model.handle, p)
+        except KeyboardInterrupt:
             if handle:
                 ll.llama_free(handle)
-            self.nat.check_interrupt()
+            raise
         if not handle:
             raise NativeError(f"llama_init_from_model failed: {self.nat.log.recent_errors() or 'unknown error'}")
         self._handle = handle
@@ -404,8 +410,8 @@ class Context(_Owned):
             b.seq_id[i][0] = seq_id
             b.logits[i] = 1 if (logits_all or (logits_last and i == n - 1)) else 0
         b.n_tokens = n
-        rc = self.nat.llama.llama_decode(handle, b)
-        self.nat.check_interrupt()
+        with self.nat.deferred_interrupt():
+            rc = self.nat.llama.llama_decode(handle, b)
         if rc == DECODE_NO_KV_SLOT:
             raise KVFullError(f"llama_decode: no KV slot for {n} tokens (n_ctx={self.n_ctx})")
         if rc != 0:

@@ -15,8 +15,11 @@ become :class:`NativeError` here, with llama.cpp's last error lines attached.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
+import importlib.metadata
 import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -25,7 +28,7 @@ from typing import Any
 
 import cffi
 
-from ..errors import NativeError
+from ..errors import INTERRUPTED, NativeError, interrupt_handler
 
 # --- declarations: mirror include/llama.h (patched) and native/epikv_capture.h ---------------------------
 LLAMA_CDEF = """
@@ -128,10 +131,8 @@ def default_lib_dir() -> Path:
         return here
     # imported from a source checkout: use the libraries of the installed distribution
     try:
-        from importlib.metadata import PackageNotFoundError, distribution
-
-        return Path(distribution("epikv-local").locate_file("epikv_local/lib"))
-    except (ImportError, PackageNotFoundError):
+        return Path(importlib.metadata.distribution("epikv-local").locate_file("epikv_local/lib"))
+    except importlib.metadata.PackageNotFoundError:
         return here
 
 
@@ -240,6 +241,27 @@ class Native:
     def check_interrupt(self) -> None:
         """Re-raise a Ctrl-C that a native callback had to swallow (see ``LlamaLog.interrupted``)."""
         if self.log.interrupted:
+            self.log.interrupted = False
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred_interrupt(self):
+        """Around a native call that may call back into Python (llama.cpp's log): Ctrl-C only sets a flag and is
+        raised once the call returns. Python raises KeyboardInterrupt wherever the main thread runs Python code,
+        and inside a ctypes callback ctypes prints and drops it ("Exception ignored on calling ctypes callback"),
+        so the run would go on. Only the main thread with Python's default handler is changed."""
+        previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+        if previous not in (signal.default_int_handler, interrupt_handler):
+            yield
+            self.check_interrupt()
+            return
+        signal.signal(signal.SIGINT, lambda signum, frame: INTERRUPTED.set())
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if INTERRUPTED.is_set() or self.log.interrupted:
+            INTERRUPTED.clear()  # raised now: nothing left for the generation loop's safety net
             self.log.interrupted = False
             raise KeyboardInterrupt
 
