@@ -181,14 +181,8 @@ class Model(_Owned):
             dev_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
             params.devices = ctypes.cast(dev_array, ctypes.c_void_p).value
         self.nat.log.clear()
-        handle = None
-        try:
-            with self.nat.deferred_interrupt():
-                handle = ll.llama_model_load_from_file(str(self.path).encode(), params)
-        except KeyboardInterrupt:
-            if handle:
-                ll.llama_model_free(handle)
-            raise
+        handle = self.nat.create(lambda: ll.llama_model_load_from_file(str(self.path).encode(), params),
+                                 ll.llama_model_free)
         if not handle:
             raise ModelError(f"llama.cpp could not load {self.path}: {self.nat.log.recent_errors() or 'unknown error'}")
         self._handle = handle
@@ -355,14 +349,7 @@ class Context(_Owned):
             p.cb_eval_user_data = ctypes.c_void_p(cb_eval_user_data)
         self.flash_attn_requested = flash_attn
         self.nat.log.clear()
-        handle = None
-        try:
-            with self.nat.deferred_interrupt():
-                handle = ll.llama_init_from_model(model.handle, p)
-        except KeyboardInterrupt:
-            if handle:
-                ll.llama_free(handle)
-            raise
+        handle = self.nat.create(lambda: ll.llama_init_from_model(model.handle, p), ll.llama_free)
         if not handle:
             raise NativeError(f"llama_init_from_model failed: {self.nat.log.recent_errors() or 'unknown error'}")
         self._handle = handle

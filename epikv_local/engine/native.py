@@ -244,6 +244,19 @@ class Native:
             self.log.interrupted = False
             raise KeyboardInterrupt
 
+    def create(self, make, free):
+        """``make()`` a native object under :meth:`deferred_interrupt`; freed with ``free`` when a Ctrl-C arrived
+        meanwhile (then re-raised). Returns the handle (possibly NULL: the caller reports the failure)."""
+        handle = None
+        try:
+            with self.deferred_interrupt():
+                handle = make()
+        except KeyboardInterrupt:
+            if handle:
+                free(handle)
+            raise
+        return handle
+
     @contextlib.contextmanager
     def deferred_interrupt(self):
         """Around a native call that may call back into Python (llama.cpp's log): Ctrl-C only sets a flag and is
