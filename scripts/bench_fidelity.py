@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="JSONL traces with 'problem' and 'trace' fields (default: ../shared/data/r1_traces_dev.jsonl)")
     ap.add_argument("--text-file", help="evaluate one plain text file as a single trace instead of --traces")
     ap.add_argument("--n-traces", type=int, default=8, help="traces to evaluate (default 8)")
+    ap.add_argument("--skip-traces", type=int, default=0,
+                    help="skip the first N of the selected traces (to run a benchmark in parts; see --merge)")
     ap.add_argument("--max-tokens", type=int, default=1536, help="tokens per trace (truncated; default 1536)")
     ap.add_argument("--budgets", default="128,256,512,1024", help="comma-separated KV budgets (default 128,256,512,1024)")
     ap.add_argument("--policies", help="comma-separated policies (default: every registered policy except none)")
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "random and streaming (default: the largest budget, where the "
                                                     "windows are smallest next to what streaming keeps)")
     ap.add_argument("--prefix", default="fidelity", help="output file prefix (default fidelity)")
+    ap.add_argument("--merge", help="comma-separated row files (JSONL) of runs made in parts: merge them into one "
+                                    "result named --name (no model is run)")
     return ap
 
 
@@ -249,6 +253,18 @@ def calibrated_spec(cal):
     return PolicySpec(CALIBRATED, EpikvPolicy, cal.policy_options(), "EPIKV with this model's calibration")
 
 
+def selected_spec(cal):
+    """``calibrated``: the policy and settings that ``cal``'s step 3 selected among the signals (run with its own
+    recent share, ``cal.selected["recent_fraction"]``), or None for a calibration without step 3."""
+    from epikv_local.policies import PolicySpec, policy_spec
+
+    if cal.selected is None:
+        return None
+    base = policy_spec(cal.selected["policy"])
+    return PolicySpec("calibrated", base.cls, {**base.preset, **cal.selected["options"]},
+                      f"{base.name} as selected by this model's calibration")
+
+
 def run(args) -> int:
     from epikv_local.api.models import default_model_path
     from epikv_local.engine.handles import Model, check_gguf
@@ -268,7 +284,7 @@ def run(args) -> int:
         policies = None
     if policies is None:
         if args.policies is None:
-            policies = [p for p in REGISTRY if p != "none"]
+            policies = [p for p in REGISTRY if p != "none" and not REGISTRY[p].from_calibration]
         else:
             policies = list(dict.fromkeys(t.strip() for t in args.policies.split(",") if t.strip()))
     cal = None
@@ -283,9 +299,12 @@ def run(args) -> int:
             if not Path(args.calibration).is_file():
                 raise DataError(f"calibration file not found: {args.calibration}")
             cal = load_file(args.calibration)
-        policies = [p for p in policies if p != CALIBRATED]
+        policies = [p for p in policies if p not in (CALIBRATED, "calibrated")]
         _log(f"epikv_calibrated: layers {cal.layer_a},{cal.layer_b} window {cal.window} recent share "
              f"{cal.recent_fraction} ({cal.path})")
+        if cal.selected is not None:
+            _log(f"calibrated: {cal.selected['policy']} {cal.selected['options']} recent share "
+                 f"{cal.selected['recent_fraction']}")
     if not policies and cal is None:
         raise ConfigError("policy list is empty")
     for p in policies:
@@ -293,8 +312,12 @@ def run(args) -> int:
             raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(REGISTRY))}")
         if p == "none":
             raise ConfigError("policy 'none' is the full-cache reference; it cannot run under a budget")
+        if REGISTRY[p].from_calibration:
+            raise ConfigError(f"policy {p!r} comes from a calibration: use --calibration FILE|auto")
     if n_traces < 1:
         raise ConfigError(f"--n-traces must be >= 1, got {n_traces}")
+    if args.skip_traces < 0:
+        raise ConfigError(f"--skip-traces must be >= 0, got {args.skip_traces}")
     if max_tokens < 2:
         raise ConfigError(f"--max-tokens must be >= 2, got {max_tokens}")
     if args.chunk < 1:
@@ -349,8 +372,8 @@ def run(args) -> int:
                 if b >= len(toks) - 1:
                     _log(f"skipping budget {b}: not below the text's {len(toks)} tokens")
         else:
-            traces = load_traces(source, model, max_tokens, n_traces=n_traces,
-                                 min_tokens=max_tokens, interleave_sources=not args.file_order)
+            traces = load_traces(source, model, max_tokens, n_traces=n_traces + args.skip_traces,
+                                 min_tokens=max_tokens, interleave_sources=not args.file_order)[args.skip_traces:]
             if not traces:
                 raise DataError(f"no trace in {source} has {max_tokens} tokens")
             if len(traces) < n_traces:
@@ -376,6 +399,10 @@ def run(args) -> int:
                                                        n_threads=args.threads)
                         _log(f"  grid: local window {w} ({time.perf_counter() - t0:.1f}s)")
                     window_nll = grid_nll.get(args.key_window)
+                if window_nll is None and args.key_window and start is not None and cal is not None:
+                    # computed once here: the calibrated policies' evaluate_trace calls reuse it
+                    window_nll = local_window_nll(model, toks, args.key_window, start, len(toks) - 1, flash_attn=fa,
+                                                  n_threads=args.threads)
                 common = dict(chunk=args.chunk, n_sink=args.n_sink, flash_attn=fa, n_threads=args.threads,
                               progress=lambda m: _log("  " + m), answer=answer, key_window=args.key_window or None,
                               key_threshold=args.key_threshold, keep_positions=bool(grid_windows))
@@ -384,6 +411,11 @@ def run(args) -> int:
                 if cal is not None:  # its own recent share, so its own evaluate_trace call
                     trace_rows += evaluate_trace(model, toks, [calibrated_spec(cal)], budgets,
                                                  recent_fraction=cal.recent_fraction, window_nll=window_nll, **common)
+                    sel = selected_spec(cal)
+                    if sel is not None:
+                        trace_rows += evaluate_trace(model, toks, [sel], budgets,
+                                                     recent_fraction=cal.selected["recent_fraction"],
+                                                     window_nll=window_nll, **common)
                 passes = {}
                 for r in trace_rows:
                     pp = r.pop("_per_position", None)
@@ -413,7 +445,8 @@ def run(args) -> int:
                      "trace_order": "file" if args.file_order else "interleave_sources",
                      "calibration": (None if cal is None else
                                      {"path": cal.path, "layer_a": cal.layer_a, "layer_b": cal.layer_b,
-                                      "window": cal.window, "recent_fraction": cal.recent_fraction}),
+                                      "window": cal.window, "recent_fraction": cal.recent_fraction,
+                                      "selected": cal.selected}),
                      "bootstrap_resamples": args.bootstrap, "seed": args.seed, "quick": bool(args.quick),
                      "metrics_at": "positions t >= kv_budget (prediction of token t+1)",
                      "key_window": args.key_window or None, "key_threshold": args.key_threshold if args.key_window else None,
@@ -427,8 +460,9 @@ def run(args) -> int:
         "wall_seconds": round(wall, 1),
         "results": summary,
     }
-    summary_path = out_dir / f"{args.prefix}_{name}_summary.json"
-    summary_path.write_text(json.dumps(_clean(doc), indent=2) + "\n")
+    from epikv_local.eval.io import write_atomic
+
+    summary_path = write_atomic(out_dir / f"{args.prefix}_{name}_summary.json", json.dumps(_clean(doc), indent=2) + "\n")
     print_table(summary, baseline=args.paired_baseline)
     if grid_traces:
         grid = key_grid(grid_traces, grid_windows, grid_thresholds, n_resamples=args.bootstrap, seed=args.seed)
@@ -445,8 +479,55 @@ def run(args) -> int:
     return 0
 
 
+def merge(args) -> int:
+    """``--merge A.jsonl,B.jsonl``: one result from runs made in parts (e.g. the registered policies, then the
+    calibrated ones once the calibration exists): the rows concatenated, the summary (paired comparisons
+    included) recomputed over all of them; settings from the parts' summary files, which must agree."""
+    from epikv_local.eval.fidelity import summarize
+    from epikv_local.eval.io import read_jsonl, write_atomic
+
+    parts = [Path(x) for x in args.merge.split(",") if x.strip()]
+    rows, docs = [], []
+    for part in parts:
+        rows += [r for _, r in read_jsonl(part, "fidelity rows")]
+        sp = part.with_name(part.stem + "_summary.json")
+        if not sp.is_file():
+            raise DataError(f"--merge: {part} has no summary file {sp.name} beside it")
+        docs.append(json.loads(sp.read_text()))
+    keys = ("source", "traces", "max_tokens", "budgets", "chunk", "n_sink", "key_window", "key_threshold",
+            "answer_span")
+    for d in docs[1:]:
+        diff = [k for k in keys if d["settings"].get(k) != docs[0]["settings"].get(k)]
+        if diff:
+            raise DataError(f"--merge: the parts differ in {', '.join(diff)}")
+    seen = set()
+    for r in rows:
+        k = (r["trace_id"], r["policy"], r["kv_budget"])
+        if k in seen:
+            raise DataError(f"--merge: {k} appears twice")
+        seen.add(k)
+    summary = summarize(rows, n_resamples=args.bootstrap, seed=args.seed, baseline=args.paired_baseline)
+    settings = dict(docs[0]["settings"])
+    settings["policies"] = list(dict.fromkeys(p for d in docs for p in d["settings"]["policies"]))
+    settings["calibration"] = next((d["settings"]["calibration"] for d in docs if d["settings"].get("calibration")),
+                                   None)
+    doc = {"command": shlex.join([sys.executable] + sys.argv), "parts": [d["command"] for d in docs],
+           "git_revision": git_revision(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "machine": docs[0]["machine"], "model": docs[0]["model"], "settings": settings,
+           "wall_seconds": round(sum(d.get("wall_seconds", 0) for d in docs), 1), "results": summary}
+    out_dir = Path(args.out)
+    name = args.name or "merged"
+    jsonl = out_dir / f"{args.prefix}_{name}.jsonl"
+    write_atomic(jsonl, "".join(json.dumps(_clean(r)) + "\n" for r in rows))
+    summary_path = write_atomic(out_dir / f"{args.prefix}_{name}_summary.json", json.dumps(_clean(doc), indent=2) + "\n")
+    print_table(summary, baseline=args.paired_baseline)
+    _log(f"wrote {jsonl} and {summary_path} ({len(rows)} rows from {len(parts)} parts)")
+    return 0
+
+
 def _main(argv: list[str] | None) -> int:
-    return run(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    return merge(args) if args.merge else run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,79 @@ def fidelity_section(summary_path: Path) -> str:
     out.append(f"![fidelity {name}](figures/fidelity_{name}.png)")
     out.append("")
     plot_fidelity(rows, policies, budgets, FIGS / f"fidelity_{name}.png", name)
+    if any("paired_vs_streaming" in r for r in rows):
+        out.append(paired_section(rows, budgets, name))
     return "\n".join(out)
+
+
+PAIRED = (("delta_nll", "all-token ΔNLL"), ("key_delta_nll", "key-token ΔNLL"),
+          ("answer_delta_nll", "answer-span ΔNLL"))
+
+
+def paired_section(rows, budgets, name: str) -> str:
+    """Per-trace paired differences policy − streaming (nats/token; negative = better than streaming) with
+    their paired bootstrap CIs; bold: CI excludes 0 on the better side, italic: on the worse side."""
+    by = {(r["policy"], r["kv_budget"]): r for r in rows}
+    pols = sorted({r["policy"] for r in rows if "paired_vs_streaming" in r})
+    out = []
+    for metric, title in PAIRED:
+        if not any(metric in r.get("paired_vs_streaming", {}) for r in rows):
+            continue
+        out += [f"**Paired {title}: policy − streaming** — mean [95% paired bootstrap CI over traces]; "
+                "**bold** = significantly better than streaming, *italic* = significantly worse", "",
+                "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+        for p in sorted(pols, key=lambda q: sum(by[(q, b)]["paired_vs_streaming"].get(metric, {}).get("mean") or 0
+                                                 for b in budgets if (q, b) in by)):
+            cells = []
+            for b in budgets:
+                m = by.get((p, b), {}).get("paired_vs_streaming", {}).get(metric)
+                if not m or m.get("mean") is None:
+                    cells.append("–")
+                    continue
+                c = fmt_ci(m, 3, True)
+                cells.append(f"**{c}**" if m["ci_high"] < 0 else f"*{c}*" if m["ci_low"] > 0 else c)
+            out.append(f"| {p} | " + " | ".join(cells) + " |")
+        out.append("")
+    plot_paired(rows, pols, budgets, FIGS / f"paired_{name}.png", name)
+    out += [f"![paired {name}](figures/paired_{name}.png)", ""]
+    return "\n".join(out)
+
+
+def plot_paired(rows, policies, budgets, path: Path, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["policy"], r["kv_budget"]): r for r in rows}
+    metrics = [(m, t) for m, t in PAIRED if any(m in r.get("paired_vs_streaming", {}) for r in rows)]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 5), squeeze=False)
+    width = 0.8 / max(len(policies), 1)
+    for ax, (metric, title) in zip(axes[0], metrics):
+        for i, p in enumerate(policies):
+            xs, ys, lo, hi = [], [], [], []
+            for j, b in enumerate(budgets):
+                m = by.get((p, b), {}).get("paired_vs_streaming", {}).get(metric)
+                if not m or m.get("mean") is None:
+                    continue
+                xs.append(j + (i - len(policies) / 2) * width)
+                ys.append(m["mean"])
+                lo.append(m["mean"] - m["ci_low"])
+                hi.append(m["ci_high"] - m["mean"])
+            style = dict(lw=2.0) if p.startswith("epikv") or p == "calibrated" else dict(lw=0.8)
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", ms=3, label=p, color=plt.cm.tab20(i % 20), **style)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xticks(range(len(budgets)))
+        ax.set_xticklabels([str(b) for b in budgets])
+        ax.set_xlabel("KV budget (cells)")
+        ax.set_title(f"{title}: policy − streaming")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"Paired differences to StreamingLLM, 95% paired bootstrap CIs ({name}; below 0 = better)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_fidelity(rows, policies, budgets, path: Path, name: str) -> None:

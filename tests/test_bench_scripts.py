@@ -109,3 +109,25 @@ def test_make_random_model_smoke(model_path, tmp_path):
         assert m.tokenize("hello world")  # SmolLM2's tokenizer works
     check = load_script("make_random_model").check(out, n_tokens=3)
     assert len(check["tokens"]) == 3
+
+
+def test_bench_calibration_smoke(tmp_path, capsys):
+    """The calibration-cost benchmark on a tiny random model: unit costs of today's procedure and of the fast
+    profile, today's total from them, then calibrate --fast end to end (with the query statistics and the
+    choice among the signals); the progress bars go to stderr."""
+    model = tmp_path / "tiny.gguf"
+    assert load_script("make_random_model").main(["--layers", "4", "--embd", "128", "--n-ff", "256", "--n-head",
+                                                  "4", "--n-head-kv", "2", "--out", str(model), "--no-check"]) == 0
+    out = tmp_path / "cost.json"
+    rc = load_script("bench_calibration").main(["--model", str(model), "--checkpoints", "1", "--threads", "2",
+                                                "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    labels = {(u["horizon"], u["batch"]): u for u in doc["units"]["labels"]}
+    assert set(labels) == {(32, 1), (32, 8), (8, 8)}
+    assert all(u["positions"] > 0 and finite_positive(u["seconds_per_position"]) for u in labels.values())
+    assert finite_positive(doc["today"]["total_s"]) and doc["today"]["label_positions"] > 0
+    assert finite_positive(doc["fast"]["total_s"]) and finite_positive(doc["speedup"])
+    assert doc["fast"]["selected"]["policy"]
+    err = capsys.readouterr().err
+    assert "calibrate grid" in err and "labels" in err

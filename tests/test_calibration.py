@@ -42,6 +42,21 @@ def test_load_for_model_without_calibration(tmp_path, monkeypatch):
     assert (tmp_path / "model_hashes.json").is_file()
 
 
+def test_calibrated_policy_needs_a_calibration(tmp_path, monkeypatch):
+    import pytest
+
+    from epikv_local.errors import ConfigError
+    from epikv_local.policies import make_policy
+
+    monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 100)
+    with pytest.raises(ConfigError, match="run `epikv-local calibrate"):
+        resolve_policy("calibrated", f)
+    with pytest.raises(ConfigError, match="chosen per model"):
+        make_policy("calibrated")
+
+
 def test_calibrate_quick_roundtrip(model_path, tmp_path):
     env = {**os.environ, "EPIKV_CACHE_DIR": str(tmp_path)}
     r = subprocess.run(CLI + ["calibrate", "--model", str(model_path), "--traces", str(TRACES), "--quick",
@@ -83,6 +98,27 @@ def test_calibrate_quick_roundtrip(model_path, tmp_path):
     assert r5.returncode == 0, r5.stderr
     assert "using calibration" not in r5.stderr
 
+    # step 3: query statistics beside the JSON, the choice among the signals (streaming is a candidate, so the
+    # chosen objective is at most streaming's on the dev traces), and --policy calibrated runs the choice
+    sel = doc["selected"]
+    names = {c["policy"] for c in sel["candidates"]}
+    assert {"streaming", "epikv", "keydiff", "triattention", "rkv_redundancy", "epikv_mix"} <= names
+    stream = min(c["objective"] for c in sel["candidates"] if c["policy"] == "streaming")
+    assert sel["chosen"]["objective"] == min(c["objective"] for c in sel["candidates"]) <= stream
+    assert (files[0].parent / doc["query_stats"]).is_file()
+    assert cal.selected["policy"] == sel["chosen"]["policy"] and cal.query_stats
+    r6 = subprocess.run(CLI + gen + ["--policy", "calibrated"], capture_output=True, text=True, env=env, timeout=300)
+    assert r6.returncode == 0, r6.stderr
+    assert json.loads(r6.stdout.strip().splitlines()[-1])["policy"] == sel["chosen"]["policy"]
+    # triattention takes the model's offline query statistics (no query capture at run time)
+    code = ("import sys; from epikv_local.api.calibration import resolve_policy; from epikv_local.policies import "
+            "ModelShape; p = resolve_policy('triattention', sys.argv[1]).policy; print(p.query_stats); "
+            "print(p.bind(ModelShape(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, rope_dims=64)).query_layers)")
+    r7 = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True, text=True, env=env,
+                        timeout=120)
+    assert r7.returncode == 0, r7.stderr
+    assert r7.stdout.splitlines() == [cal.query_stats, "()"]
+
 
 def test_default_model_ships_its_calibration(model_path, tmp_path, monkeypatch):
     """The default model's measured calibration is packaged and found by content hash with an empty cache."""
@@ -91,11 +127,16 @@ def test_default_model_ships_its_calibration(model_path, tmp_path, monkeypatch):
     monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path))
     cal = calibration.load_for_model(model_path)
     assert cal is not None and Path(cal.path).parent == calibration.PACKAGED_DIR
-    assert (cal.layer_a, cal.layer_b, cal.window, cal.recent_fraction) == (19, None, 128, 0.75)
-    assert cal.policy_options() == {"layers": (19,), "window": 128}
+    assert (cal.layer_a, cal.layer_b, cal.window, cal.recent_fraction) == (19, None, 256, 0.75)
+    assert cal.policy_options() == {"layers": (19,), "window": 256}
+    assert Path(cal.query_stats).parent == calibration.PACKAGED_DIR and Path(cal.query_stats).is_file()
     res = resolve_policy("epikv", model_path)
     assert res.calibration == cal and res.recent_fraction == 0.75
     assert res.policy.bind(ModelShape(n_layer=30)).layers == (19,)
+    # --policy calibrated: the shipped selection
+    sel = resolve_policy("calibrated", model_path)
+    assert sel.calibration == cal and sel.policy.name == cal.selected["policy"]
+    assert sel.recent_fraction == cal.selected["recent_fraction"]
     # explicit settings win over the calibration; a non-calibratable policy never takes one
     assert resolve_policy("epikv", model_path, {"window": 64}).calibration is None
     assert resolve_policy("streaming", model_path).calibration is None

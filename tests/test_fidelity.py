@@ -155,6 +155,28 @@ def test_bench_quick_end_to_end(model_path, tmp_path):
     assert "top-1 agreement" in r.stdout and "streaming" in r.stdout and "epikv" in r.stdout
 
 
+def test_bench_merge_of_parts_equals_one_run(model_path, tmp_path):
+    """A result made in parts (--merge) has the rows and the summary of the same run made at once."""
+    common = ["--quick", "--model", str(model_path), "--key-window", "0", "--no-answer-span"]
+    for name, pols in (("a", "streaming"), ("b", "epikv"), ("all", "streaming,epikv")):
+        r = bench(*common, "--policies", pols, "--name", name, "--out", str(tmp_path))
+        assert r.returncode == 0, r.stderr
+    r = bench("--merge", f"{tmp_path / 'fidelity_a.jsonl'},{tmp_path / 'fidelity_b.jsonl'}", "--name", "merged",
+              "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    drop = ("seconds", "decode_seconds", "ref_seconds")
+    rows = lambda n: sorted(({k: v for k, v in json.loads(ln).items() if k not in drop}
+                             for ln in (tmp_path / f"fidelity_{n}.jsonl").read_text().splitlines()),
+                            key=lambda x: x["policy"])
+    assert rows("merged") == rows("all")
+    res = lambda n: sorted(({k: v for k, v in x.items() if k != "seconds_per_pass"} for x in
+                            json.loads((tmp_path / f"fidelity_{n}_summary.json").read_text())["results"]),
+                           key=lambda x: x["policy"])
+    assert res("merged") == res("all")
+    _one_line_error(bench("--merge", str(tmp_path / "fidelity_a.jsonl") + "," + str(tmp_path / "fidelity_a.jsonl"),
+                          "--out", str(tmp_path)), "appears twice")
+
+
 def _one_line_error(r, needle):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]

@@ -55,6 +55,24 @@ def test_labels_tiny_trace(model, dev_traces):
     assert np.mean(d1) > 10 * max(abs(r["label"]) for r in ctrl)
 
 
+def test_batched_branches_give_the_same_labels(model, dev_traces):
+    """8 counterfactual branches per llama_decode (sequences 1..8 sharing the prefix cells) give the labels of
+    one branch per decode (both without flash attention, which batched branches use: see _Brancher); the
+    control row (no removal, decoded in the same batch as the base branch) stays ~0."""
+    toks = model.tokenize(dev_traces[0]["problem"] + "\n\n" + dev_traces[0]["trace"])[:64]
+    one, _, n1 = label_trace(model, "t0", toks, LabelSettings(**SETTINGS, flash_attn=False), n_threads=2,
+                             control=True)
+    many, _, n8 = label_trace(model, "t0", toks, LabelSettings(**SETTINGS, batch=8), n_threads=2, control=True)
+    assert n1 == n8 and len(one) == len(many)
+    for a, b in zip(one, many):
+        assert (a["type"], a.get("position"), a["checkpoint"]) == (b["type"], b.get("position"), b["checkpoint"])
+        assert abs(a["label"] - b["label"]) < 1e-5, (a, b)
+    assert max(abs(r["label"]) for r in many if r["type"] == "control") < 1e-3
+    assert np.abs([r["label"] for r in many if r["type"] == "label"]).max() > 1e-2
+    with pytest.raises(ValueError, match="batch"):
+        LabelSettings(**SETTINGS, batch=0)
+
+
 def test_labels_cli_resumable(model_path, tmp_path):
     out = tmp_path / "labels.jsonl"
     args = ["labels", "--model", str(model_path), "--traces", str(TRACES), "--n-traces", "1",

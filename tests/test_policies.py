@@ -22,7 +22,7 @@ from epikv_local.engine.session import Session, SessionConfig
 N_LAYER = 30
 D_K = 192  # SmolLM2-135M: 3 KV heads x 64
 SHAPE = ModelShape(n_layer=N_LAYER, n_embd=576, n_head=9, n_head_kv=3)
-ALL = sorted(REGISTRY)
+ALL = sorted(n for n in REGISTRY if not REGISTRY[n].from_calibration)  # "calibrated" needs a model file
 EVICTING = [n for n in ALL if n != "none"]
 
 
@@ -38,6 +38,9 @@ def synth_obs(policy, positions, rng, cells: np.ndarray | None = None) -> Observ
     key_layers = policy.bound.key_layers
     if key_layers:
         obs.keys = rng.normal(size=(T, len(key_layers), D_K)).astype(np.float32)
+    query_layers = policy.bound.query_layers
+    if query_layers:
+        obs.queries = rng.normal(size=(T, len(query_layers), SHAPE.n_embd)).astype(np.float32)
     if policy.needs_attention:
         cell_pos = np.full(len(cells) + 3, -1, dtype=np.int32)  # a few empty cells too
         cell_pos[: len(cells)] = cells
@@ -75,10 +78,12 @@ def test_scores_shape_dtype_determinism(name):
 
 def test_registry_and_families():
     assert set(ALL) == {"none", "streaming", "random", "knorm", "keydiff", "lagkv", "epikv", "epikv_lag",
-                        "epikv_raw", "epikv_single", "h2o", "tova", "snapkv"}
+                        "epikv_raw", "epikv_single", "h2o", "tova", "snapkv", "epikv_mix", "triattention",
+                        "rkv_redundancy", "rkv"}
     # traits are class attributes, read from the registry's classes
-    assert {n for n in ALL if REGISTRY[n].cls.needs_attention} == {"h2o", "tova", "snapkv"}
-    assert {n for n in ALL if REGISTRY[n].cls.calibratable} == {"epikv", "epikv_lag", "epikv_raw", "epikv_single"}
+    assert {n for n in ALL if REGISTRY[n].cls.needs_attention} == {"h2o", "tova", "snapkv", "rkv"}
+    assert {n for n in ALL if REGISTRY[n].cls.calibratable} == {"epikv", "epikv_lag", "epikv_raw", "epikv_single",
+                                                                "epikv_mix", "triattention"}
     assert [n for n in ALL if not REGISTRY[n].cls.evicts] == ["none"]
     # variants are named configurations of one class, not copies
     assert make_policy("epikv_lag").normalization == "lag"

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.budget import DEFAULT_RECENT_FRACTION
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..policies import Policy, make_policy, policy_spec
 from .models import cache_dir
 
 CALIBRATION_VERSION = 1
 #: calibrations shipped with the package (the default model's, measured on the dev traces; docs/calibration.md)
 PACKAGED_DIR = Path(__file__).resolve().parents[1] / "calibrations"
-#: the policy settings a calibration chooses
-CALIBRATED_OPTIONS = ("layers", "window")
+#: the policy settings a calibration chooses (a policy takes those it has)
+CALIBRATED_OPTIONS = ("layers", "window", "query_stats")
 
 
 def calibration_dir() -> Path:
@@ -78,14 +78,23 @@ class CalibrationResult:
     baseline_delta_nll: float   # same for the default settings
     path: str = ""
     extra: dict = field(default_factory=dict, compare=False)
+    #: step 3: the policy chosen among the signals ({"policy", "options", "recent_fraction", "objective", ...};
+    #: a "query_stats" option as an absolute path), or None for a calibration without it
+    selected: dict | None = field(default=None, compare=False)
+    #: absolute path of the model's pre-RoPE query statistics (.npz), or None
+    query_stats: str | None = None
 
     @property
     def layers(self) -> tuple[int, ...]:
         return (self.layer_a,) if self.layer_b is None else (self.layer_a, self.layer_b)
 
-    def policy_options(self) -> dict:
-        """The calibrated settings of a calibratable policy (``make_policy(name, **options)``)."""
-        return {"layers": self.layers, "window": self.window}
+    def policy_options(self, option_names: tuple[str, ...] = ("layers", "window")) -> dict:
+        """The calibrated settings that a policy with these settings takes (``make_policy(name, **options)``):
+        EPIKV's layers and window, and the query statistics."""
+        known = {"layers": self.layers, "window": self.window}
+        if self.query_stats:
+            known["query_stats"] = self.query_stats
+        return {k: v for k, v in known.items() if k in option_names}
 
 
 def load_file(path: str | os.PathLike) -> CalibrationResult:
@@ -93,15 +102,27 @@ def load_file(path: str | os.PathLike) -> CalibrationResult:
     try:
         d = json.loads(Path(path).read_text())
         ch = d["chosen"]
+        here = Path(path).resolve().parent
+        qs = str(here / d["query_stats"]) if d.get("query_stats") else None
+        sel = d.get("selected")
+        if sel is not None:
+            sel = dict(sel["chosen"])
+            opts = dict(sel["options"])
+            if opts.get("query_stats"):
+                opts["query_stats"] = str(here / opts["query_stats"])
+            if isinstance(opts.get("layers"), list):
+                opts["layers"] = tuple(opts["layers"])
+            sel["options"] = opts
+            policy_spec(sel["policy"])  # a name this version knows
         return CalibrationResult(
             model_sha256=d["model_sha256"], arch=d["arch"], n_layer=int(d["n_layer"]), layer_a=int(ch["layer_a"]),
             layer_b=None if ch["layer_b"] is None else int(ch["layer_b"]), window=int(ch["window"]),
             recent_fraction=float(ch["recent_fraction"]), delta_nll=float(d["chosen_delta_nll"]),
             baseline_delta_nll=float(d["baseline_delta_nll"]), path=str(path),
-            extra={k: d.get(k) for k in ("created", "cost_seconds", "traces")})
+            extra={k: d.get(k) for k in ("created", "cost_seconds", "traces")}, selected=sel, query_stats=qs)
     except OSError as e:
         raise DataError(f"cannot read calibration {path}: {e.strerror or e}") from None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, ConfigError) as e:
         raise DataError(f"calibration {path} is malformed ({type(e).__name__}: {e})") from None
 
 
@@ -135,11 +156,25 @@ def resolve_policy(name: str, model_path: str | os.PathLike | None, options: dic
     """
     spec = policy_spec(name)
     opts = {k: v for k, v in (options or {}).items() if v is not None}
+    if spec.from_calibration:
+        cal = load_for_model(model_path) if model_path is not None else None
+        if cal is None or cal.selected is None:
+            raise ConfigError(f"policy {spec.name!r}: "
+                              + ("no model file given" if model_path is None else
+                                 f"{Path(model_path).name} has no calibration with a selected policy")
+                              + "; run `epikv-local calibrate --model MODEL` first")
+        sel = cal.selected
+        policy = make_policy(sel["policy"], **{**sel["options"], **opts})
+        return ResolvedPolicy(policy, float(sel["recent_fraction"]), cal)
     cal = None
     if (use_calibration and model_path is not None and spec.cls.calibratable
             and not any(k in opts for k in CALIBRATED_OPTIONS)):
         cal = load_for_model(model_path)
+    recent = DEFAULT_RECENT_FRACTION
     if cal is not None:
-        opts = {**cal.policy_options(), **opts}
+        given = cal.policy_options(spec.option_names)
+        opts = {**given, **opts}
+        if "layers" in given:  # the recent share was chosen with EPIKV's settings, so it goes with them
+            recent = cal.recent_fraction
     policy = make_policy(name, **opts)
-    return ResolvedPolicy(policy, cal.recent_fraction if cal else DEFAULT_RECENT_FRACTION, cal)
+    return ResolvedPolicy(policy, recent, cal)

@@ -34,7 +34,7 @@ from ..errors import ConfigError, FlashAttnError, NativeError
 from ..policies.base import Observation, Signals
 from ..policies.scoring import diff_norms
 from .handles import Closing
-from .native import CAPTURE_K, CAPTURE_OUT, MODE_ATTN, MODE_CAPTURE, MODE_IDLE, MODE_PROBE, Native
+from .native import CAPTURE_K, CAPTURE_OUT, CAPTURE_Q, MODE_ATTN, MODE_CAPTURE, MODE_IDLE, MODE_PROBE, Native
 from .protocol import KVContext
 
 ROUTES = ("layer_out", "callback")
@@ -182,19 +182,27 @@ class CallbackCapture:
 class KeyCapture:
     """Keys after RoPE of the key layers (patched API, ``Kcur-<il>``), read after each decode."""
 
+    kind, tensor = CAPTURE_K, "Kcur"
+
     def __init__(self, ctx: KVContext, key_layers: tuple[int, ...], arch: str = "this"):
         self.ctx = ctx
         self.key_layers = tuple(key_layers)
         self.arch = arch
         for il in self.key_layers:
-            ctx.set_layer_capture(il, True, CAPTURE_K)
+            ctx.set_layer_capture(il, True, self.kind)
 
     def after_decode(self, n_tokens: int) -> np.ndarray:
-        """(n_tokens, len(key_layers), d_k) float32, a copy."""
-        rows = [self.ctx.layer_keys(il, n_tokens) for il in self.key_layers]
+        """(n_tokens, len(key_layers), row) float32, a copy (row = d_k for keys, d_q for queries)."""
+        rows = [self.ctx.layer_capture(il, n_tokens, self.kind) for il in self.key_layers]
         if any(r is None for r in rows):
-            raise NativeError(f"architecture {self.arch!r} names no Kcur tensor: key capture fails")
+            raise NativeError(f"architecture {self.arch!r} names no {self.tensor} tensor: capture fails")
         return np.stack(rows, axis=1)
+
+
+class QueryCapture(KeyCapture):
+    """Queries after RoPE of the query layers (patched API, ``Qcur-<il>``), read after each decode."""
+
+    kind, tensor = CAPTURE_Q, "Qcur"
 
 
 @dataclass(frozen=True)
@@ -206,12 +214,14 @@ class CapturePlan:
     attention_layers: tuple[int, ...] = ()
     route: str = "layer_out"
     probe: bool = True
+    query_layers: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, signals: Signals, route: str = "layer_out", verify_flash_attn: bool = True) -> "CapturePlan":
         if route not in ROUTES:
             raise ConfigError(f"capture route must be one of {ROUTES}, got {route!r}")
-        plan = cls(signals.layers, signals.key_layers, signals.attention_layers, route, verify_flash_attn)
+        plan = cls(signals.layers, signals.key_layers, signals.attention_layers, route, verify_flash_attn,
+                   signals.query_layers)
         if plan.uses_callback_g and plan.attention_layers and set(plan.attention_layers) != set(plan.layers):
             # one C handle serves both, and it reads one list of layers
             raise ConfigError("the callback capture route and attention readback need the same layers")
@@ -247,18 +257,20 @@ class CapturePlan:
         if self.layers:
             g = CallbackCapture(handle) if self.uses_callback_g else LayerOutCapture(ctx, self.layers, arch)
         keys = KeyCapture(ctx, self.key_layers, arch) if self.key_layers else None
-        return Capture(self, ctx, handle, g, keys)
+        queries = QueryCapture(ctx, self.query_layers, arch) if self.query_layers else None
+        return Capture(self, ctx, handle, g, keys, queries)
 
 
 class Capture:
     """A plan attached to a context: one :meth:`observe` per decode gives the policy its Observation."""
 
-    def __init__(self, plan: CapturePlan, ctx: KVContext, handle: CallbackHandle | None, g, keys):
+    def __init__(self, plan: CapturePlan, ctx: KVContext, handle: CallbackHandle | None, g, keys, queries=None):
         self.plan = plan
         self.ctx = ctx
         self.handle = handle
         self.g = g
         self.keys = keys
+        self.queries = queries
         self.flash_attn: bool | None = None  # known after the first decode when probed
         self.graph_nodes: list[tuple[str, str]] = []
 
@@ -272,6 +284,8 @@ class Capture:
             obs.g = self.g.after_decode(n)
         if self.keys is not None:
             obs.keys = self.keys.after_decode(n)
+        if self.queries is not None:
+            obs.queries = self.queries.after_decode(n)
         if self.plan.attention_layers:
             recv, last, _ = self.handle.take_attention()
             obs.cell_pos = self.ctx.cell_positions()

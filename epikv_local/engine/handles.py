@@ -11,6 +11,7 @@ close while a context on it is open (the context holds a reference to it, llama-
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from ..errors import ConfigError, KVFullError, ModelError, NativeError
 from ..policies.base import ModelShape
 from .native import (
     CAPTURE_K,
+    CAPTURE_Q,
     CAPTURE_OUT,
     DECODE_NO_KV_SLOT,
     LAYER_CAPTURE_BAD_LAYER,
@@ -109,11 +111,28 @@ class ModelInfo:
     n_head_kv: int
     n_vocab: int
     desc: str
+    rope_type: str = "norm"
+    rope_dims: int = 0
+    rope_freq_base: float = 10000.0
+    rope_freq_scale: float = 1.0
 
     @property
     def shape(self) -> ModelShape:
         """What a policy may know of the model (see ``Policy.bind``)."""
-        return ModelShape(n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head, n_head_kv=self.n_head_kv)
+        return ModelShape(n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head, n_head_kv=self.n_head_kv,
+                          rope_type=self.rope_type, rope_dims=self.rope_dims, rope_freq_base=self.rope_freq_base,
+                          rope_freq_scale=self.rope_freq_scale)
+
+
+#: llama.h's enum llama_rope_type -> ModelShape.rope_type (M-RoPE and vision variants: "other")
+_ROPE_TYPES = {-1: "none", 0: "norm", 2: "neox"}
+
+
+def _meta_float(text: str | None, default: float) -> float:
+    try:
+        return float(text) if text is not None else default
+    except ValueError:
+        return default
 
 
 class Closing:
@@ -199,6 +218,13 @@ class Model(_Owned):
             n_vocab=ll.llama_vocab_n_tokens(self.vocab),
             desc=buf.value.decode("utf-8", "replace"),
         )
+        arch = self.info.arch
+        n_rot = self.meta(f"{arch}.rope.dimension_count")
+        self.info = dataclasses.replace(
+            self.info, rope_type=_ROPE_TYPES.get(int(ll.llama_model_rope_type(handle)), "other"),
+            rope_dims=int(_meta_float(n_rot, 0)),
+            rope_freq_base=_meta_float(self.meta(f"{arch}.rope.freq_base"), 10000.0),
+            rope_freq_scale=float(ll.llama_model_rope_freq_scale_train(handle)))
 
     _what = "model"
 
@@ -377,8 +403,9 @@ class Context(_Owned):
 
     # -- decode -----------------------------------------------------------------------------------------
     def decode(self, tokens: list[int], positions: list[int] | np.ndarray, logits_last: bool = True,
-               logits_all: bool = False, seq_id: int = 0) -> None:
-        """Decode tokens at the given positions of ``seq_id`` (positions need not be dense).
+               logits_all: bool = False, seq_id: "int | list[int] | np.ndarray" = 0) -> None:
+        """Decode tokens at the given positions of ``seq_id`` (positions need not be dense). ``seq_id`` may be
+        one id per token: one batch then extends several sequences (e.g. counterfactual branches).
 
         Raises KVFullError when no KV slot was found (llama_decode returned 1 after the kv-full hook),
         NativeError on any other failure, ValueError on bad arguments.
@@ -389,12 +416,15 @@ class Context(_Owned):
             raise ConfigError(f"decode takes 1..{self.n_batch} tokens, got {n}")
         if len(positions) != n:
             raise ConfigError(f"{n} tokens but {len(positions)} positions")
+        seqs = [int(seq_id)] * n if isinstance(seq_id, (int, np.integer)) else [int(x) for x in seq_id]
+        if len(seqs) != n:
+            raise ConfigError(f"{n} tokens but {len(seqs)} sequence ids")
         b = self._batch
         for i in range(n):
             b.token[i] = int(tokens[i])
             b.pos[i] = int(positions[i])
             b.n_seq_id[i] = 1
-            b.seq_id[i][0] = seq_id
+            b.seq_id[i][0] = seqs[i]
             b.logits[i] = 1 if (logits_all or (logits_last and i == n - 1)) else 0
         b.n_tokens = n
         with self.nat.deferred_interrupt():
@@ -485,7 +515,8 @@ class Context(_Owned):
 
     # -- capture (patched API) --------------------------------------------------------------------------
     def set_layer_capture(self, il: int, enable: bool = True, kind: int = CAPTURE_OUT) -> None:
-        """Capture layer il's output (kind=CAPTURE_OUT, "l_out") or keys (CAPTURE_K, "Kcur") from now on."""
+        """Capture layer il's output (kind=CAPTURE_OUT, "l_out"), keys (CAPTURE_K, "Kcur") or queries (CAPTURE_Q,
+        "Qcur") from now on."""
         self.handle
         rc = self.nat.lib.llama_set_layer_capture(self._ctx_c, kind, il, enable)
         if rc == LAYER_CAPTURE_BAD_LAYER:
@@ -516,6 +547,10 @@ class Context(_Owned):
     def layer_keys(self, il: int, n_tokens: int) -> np.ndarray | None:
         """Keys after RoPE of layer il for the last decode: (n_tokens, n_head_kv * head_dim) float32 view."""
         return self.layer_capture(il, n_tokens, CAPTURE_K)
+
+    def layer_queries(self, il: int, n_tokens: int) -> np.ndarray | None:
+        """Queries after RoPE of layer il for the last decode: (n_tokens, n_head * head_dim) float32 view."""
+        return self.layer_capture(il, n_tokens, CAPTURE_Q)
 
     def cell_positions(self, seq_id: int = 0) -> np.ndarray:
         """Position held by each KV cell for seq_id, -1 for cells not holding it: (n_cells,) int32."""

@@ -42,7 +42,8 @@ int32_t llama_memory_seq_cell_pos(llama_memory_t mem, llama_seq_id seq_id, llama
 enum llama_layer_capture {
     LLAMA_LAYER_CAPTURE_OUT   = 0,
     LLAMA_LAYER_CAPTURE_K     = 1,
-    LLAMA_LAYER_CAPTURE_COUNT = 2,
+    LLAMA_LAYER_CAPTURE_Q     = 2,
+    LLAMA_LAYER_CAPTURE_COUNT = 3,
 };
 int32_t llama_set_layer_capture(struct llama_context * ctx, enum llama_layer_capture kind, int32_t il, bool enable);
 float * llama_get_layer_capture(struct llama_context * ctx, enum llama_layer_capture kind, int32_t il, int32_t * n_row);
@@ -92,6 +93,7 @@ SEQ_RM_POS_BAD_ARGS = -2
 # llama_set_layer_capture kinds and return codes
 CAPTURE_OUT = 0   # LLAMA_LAYER_CAPTURE_OUT: the layer's output hidden state ("l_out-<il>")
 CAPTURE_K = 1     # LLAMA_LAYER_CAPTURE_K: the layer's keys after RoPE ("Kcur-<il>")
+CAPTURE_Q = 2     # LLAMA_LAYER_CAPTURE_Q: the layer's queries after RoPE ("Qcur-<il>")
 LAYER_CAPTURE_BAD_LAYER = -1
 LAYER_CAPTURE_LAST_LAYER = -2
 # llama_decode return codes (llama.h: 0 ok, 1 no KV slot, 2 aborted, -1 invalid batch, < -1 error)

@@ -42,7 +42,10 @@ class KVContext(Protocol):
         """(T, d_k) float32 keys after RoPE of layer il for the last decode (None: not captured)."""
 
     def set_layer_capture(self, il: int, enable: bool = True, kind: int = 0) -> None:
-        """Capture layer il's output (kind 0) or keys (kind 1) from the next decode on."""
+        """Capture layer il's output (kind 0), keys (kind 1) or queries (kind 2) from the next decode on."""
+
+    def layer_capture(self, il: int, n_tokens: int, kind: int = 0) -> np.ndarray | None:
+        """(T, row) float32 captured rows of layer il of ``kind`` for the last decode (None: not captured)."""
 
     def set_kv_full_callback(self, fn) -> None:
         """Install fn(n_tokens) -> bool, called by llama_decode when a ubatch does not fit."""

@@ -9,6 +9,9 @@ Procedure (dev traces only; see docs/calibration.md, section "Calibration"):
    traces x budgets (128, 256): (a) layers: the default pair, the 3 x 3 A x B pairs and the 3 single-band A
    (window 128, recent share 0.5); (b) window {64, 128, 256} at the best layers; (c) recent share
    {0.25, 0.5, 0.75} at the best layers and window. ``full_grid=True`` searches the Cartesian product instead.
+3. (``signals=True``) pre-RoPE query statistics of the dev traces for TriAttention, then the choice among the
+   signals (:mod:`.signals`): streaming, EPIKV as chosen in 2, key-based rivals and EPIKV-mix, by the mean of
+   all-token and key-token ΔNLL; what ``--policy calibrated`` runs.
 
 The result is written as JSON to ``<cache>/calibration/<sha256 of the model file>.json`` (cache dir:
 ``$EPIKV_CACHE_DIR`` or ``~/.cache/epikv-local``) and read back by :func:`load_for_model`. Layers are stored as
@@ -45,6 +48,8 @@ from .anatomy import capture_pass, layer_z, rank_layers
 from .io import write_atomic
 from .fidelity import StreamingComparison, reference_pass, teacher_forced_pass
 from .labels import LabelSettings, label_trace, labels_by_trace, read_labels, run_labels
+from .progress import progress_bar
+from .signals import collect_query_stats, select_policy
 from .stats import signal_stats
 from .traces import load_traces
 
@@ -60,6 +65,26 @@ def policy_delta_nll(model, tokens: list[int], ref, cfg: ScoringConfig, budget: 
     return cmp.means()["delta_nll"]
 
 
+def layer_ranking(model, traces: list[tuple[str, list[int]]], lab: dict[str, dict[int, dict]], window: int,
+                  n_threads: int | None = None) -> tuple[list[dict], int]:
+    """Per capturable layer, the statistics (Spearman, AUROC, ...) of its rolling z-score of g against the
+    counterfactual labels ``lab`` ({trace id: {position: row}}) over ``traces``; and the labelled positions used."""
+    zs, ys, grp = [], [], []
+    for i, (tid, toks) in enumerate(traces):
+        if tid not in lab:
+            continue
+        cap = capture_pass(model, toks, n_threads=n_threads, keys=False)
+        pos = np.array(sorted(lab[tid]))
+        z = layer_z(cap["g"], window)
+        zs.append(z[pos])
+        ys.append(np.array([lab[tid][p]["label"] for p in pos]))
+        grp.append(np.array([lab[tid][p]["checkpoint"] for p in pos]) + 1_000_000 * i)
+    if not zs:
+        raise DataError("no labelled position in the traces")
+    Z, Y, G = np.concatenate(zs), np.concatenate(ys), np.concatenate(grp)
+    return [{"layer": j, **signal_stats(Z[:, j], Y, G)} for j in range(model.info.n_layer - 1)], len(Y)
+
+
 @dataclass(frozen=True)
 class Grid:
     budgets: tuple[int, ...] = (128, 256)
@@ -73,12 +98,20 @@ class Grid:
     n_sink: int = 4
     label_traces: int = 3
     label_horizon: int = 32
+    label_batch: int = 1
+    fast_signals: bool = False   # step 3 with the reduced candidate list (signals.candidates(fast=True))
     label_stride: int = 16
     anatomy_window: int = ScoringConfig.window  # rolling z-score window of the layer ranking
 
 
+#: ``calibrate --fast``: what a 0.5B model affords on 2 cores in about a quarter of an hour (docs/calibration.md):
+#: cheaper labels (1 trace, horizon 8, 8 branches per decode; their layer ranking agrees with horizon 32's, see
+#: the docs), 2 x 2 band candidates, the window fixed at 128, 2 traces of 512 tokens
+FAST_GRID = Grid(budgets=(128, 256), windows=(128,), recent=(0.5, 0.75), n_pos=2, n_neg=2, n_traces=2,
+                 max_tokens=512, chunk=16, label_traces=1, label_horizon=8, label_stride=16, label_batch=8,
+                 fast_signals=True)
 QUICK_GRID = Grid(budgets=(64,), windows=(64,), recent=(0.5,), n_pos=2, n_neg=1, n_traces=1, max_tokens=160,
-                  chunk=16, label_traces=1, label_horizon=8, label_stride=8)
+                  chunk=16, label_traces=1, label_horizon=8, label_stride=8, fast_signals=True)
 
 
 def _key(cfg: ScoringConfig, rf: float) -> tuple:
@@ -88,7 +121,7 @@ def _key(cfg: ScoringConfig, rf: float) -> tuple:
 def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, grid: Grid = Grid(),
               full_grid: bool = False, n_threads: int | None = None, labels_path: str | os.PathLike | None = None,
               out: str | os.PathLike | None = None,
-              log: Callable[[str], None] | None = None) -> CalibrationResult:
+              log: Callable[[str], None] | None = None, signals: bool = True) -> CalibrationResult:
     """Run the calibration on ``traces_path`` (dev traces!) and write the JSON. Returns the result."""
     log = log or (lambda m: print(f"calibrate: {m}", file=sys.stderr, flush=True))
     t_start = time.perf_counter()
@@ -99,7 +132,8 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
         arch = model.info.arch
         # 1. labels + anatomy ranking
         t0 = time.perf_counter()
-        s = LabelSettings(max_tokens=grid.max_tokens, horizon=grid.label_horizon, stride=grid.label_stride)
+        s = LabelSettings(max_tokens=grid.max_tokens, horizon=grid.label_horizon, stride=grid.label_stride,
+                          batch=grid.label_batch)
         if labels_path is not None and Path(labels_path).is_file():
             header, rows = read_labels(labels_path)
             lab = labels_by_trace(rows)
@@ -120,22 +154,11 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
                 for tid, toks in lab_traces:
                     rows += label_trace(model, tid, toks, s, n_threads=n_threads)[0]
                 lab = labels_by_trace(rows)
-        zs, ys, grp = [], [], []
-        for i, (tid, toks) in enumerate(lab_traces):
-            if tid not in lab:
-                continue
-            cap = capture_pass(model, toks, n_threads=n_threads, keys=False)
-            pos = np.array(sorted(lab[tid]))
-            z = layer_z(cap["g"], grid.anatomy_window)
-            zs.append(z[pos])
-            ys.append(np.array([lab[tid][p]["label"] for p in pos]))
-            grp.append(np.array([lab[tid][p]["checkpoint"] for p in pos]) + 1_000_000 * i)
-        Z, Y, G = np.concatenate(zs), np.concatenate(ys), np.concatenate(grp)
-        layer_stats = [{"layer": j, **signal_stats(Z[:, j], Y, G)} for j in range(n_layer - 1)]
+        layer_stats, n_lab = layer_ranking(model, lab_traces, lab, grid.anatomy_window, n_threads)
         pos_l, neg_l = rank_layers(layer_stats, "spearman", max(grid.n_pos, grid.n_neg))
         pos_l, neg_l = pos_l[:grid.n_pos], neg_l[:grid.n_neg]
         t_labels = time.perf_counter() - t0
-        log(f"anatomy on {len(Y)} labelled positions ({t_labels:.0f}s): band-A candidates {pos_l}, "
+        log(f"anatomy on {n_lab} labelled positions ({t_labels:.0f}s): band-A candidates {pos_l}, "
             f"band-B candidates {neg_l}")
 
         # 2. fidelity grid
@@ -148,6 +171,13 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
         refs = [reference_pass(model, toks, grid.chunk, True, eval_start=min(budgets), n_threads=n_threads)
                 for _, toks in traces]
         results: dict[tuple, dict] = {}
+        default = ScoringConfig()
+        dl = default.layers_for_depth(n_layer)
+        layer_cands = [(dl[0], dl[1])] + [(a, b) for a in pos_l for b in neg_l if a != b] + [(a, None) for a in pos_l]
+        layer_cands = list(dict.fromkeys(layer_cands))
+        n_cfg = (len(layer_cands) * len(grid.windows) * len(grid.recent) if full_grid
+                 else 1 + len(layer_cands) + len(grid.windows) + len(grid.recent))  # an upper bound (repeats skip)
+        bar = progress_bar(total=n_cfg * len(traces) * len(budgets), desc="calibrate grid", unit="pass")
 
         def evaluate(cfg: ScoringConfig, rf: float) -> float:
             k = _key(cfg, rf)
@@ -158,6 +188,7 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
                 for b in budgets:
                     bc = BudgetConfig(kv_budget=b, n_sink=grid.n_sink, recent_fraction=rf, protect_prompt=False)
                     vals[f"{tid}@{b}"] = policy_delta_nll(model, toks, ref, cfg, bc, grid.chunk, n_threads)
+                    bar.update(1)
             per_budget = {b: float(np.mean([v for kk, v in vals.items() if kk.endswith(f"@{b}")]))
                           for b in budgets}
             m = float(np.mean(list(vals.values())))
@@ -167,12 +198,8 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
                 f"({', '.join(f'{b}: {v:+.4f}' for b, v in per_budget.items())})")
             return m
 
-        default = ScoringConfig()
-        dl = default.layers_for_depth(n_layer)
         base_cfg = ScoringConfig(layer_a=dl[0], layer_b=dl[1], ref_depth=n_layer, window=default.window)
         baseline = evaluate(base_cfg, DEFAULT_RECENT_FRACTION)
-        layer_cands = [(dl[0], dl[1])] + [(a, b) for a in pos_l for b in neg_l if a != b] + [(a, None) for a in pos_l]
-        layer_cands = list(dict.fromkeys(layer_cands))
         if full_grid:
             for (a, b), w, rf in itertools.product(layer_cands, grid.windows, grid.recent):
                 evaluate(ScoringConfig(layer_a=a, layer_b=b, ref_depth=n_layer, window=w), rf)
@@ -189,7 +216,36 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
                 evaluate(ScoringConfig(layer_a=best["layer_a"], layer_b=best["layer_b"], ref_depth=n_layer,
                                        window=best["window"]), rf)
         best = min(results.values(), key=lambda r: r["delta_nll"])
+        bar.close()
         t_grid = time.perf_counter() - t0
+
+        # 3. query statistics and the choice among signals
+        path = Path(out) if out else calibration_dir() / f"{sha}.json"
+        selected, qs_name, t_signals = None, None, 0.0
+        if signals:
+            t0 = time.perf_counter()
+            epikv_opts = {"layers": (best["layer_a"],) if best["layer_b"] is None else
+                          (best["layer_a"], best["layer_b"]), "window": best["window"]}
+            qs_path = None
+            if model.info.shape.rope_type in ("norm", "neox"):
+                qs = collect_query_stats(model, traces, n_threads=n_threads, log=log)
+                qs_path = path.with_name(path.stem + ".qstats.npz")
+                write_atomic(qs_path, lambda tmp: qs.save(tmp))
+                qs_name = qs_path.name
+            else:
+                log(f"RoPE type {model.info.shape.rope_type!r}: no TriAttention candidates")
+            selected = select_policy(model, traces, refs, budgets, grid.chunk, grid.n_sink, epikv_opts,
+                                     best["recent_fraction"], str(qs_path) if qs_path else None,
+                                     n_threads=n_threads, log=log, fast=grid.fast_signals)
+            if selected["chosen"]["options"].get("query_stats"):  # stored relative to the calibration file
+                selected["chosen"]["options"]["query_stats"] = qs_name
+            for c in selected["candidates"]:
+                if c["options"].get("query_stats"):
+                    c["options"]["query_stats"] = qs_name
+            t_signals = time.perf_counter() - t0
+            ch = selected["chosen"]
+            log(f"signals: chose {ch['policy']} (recent {ch['recent_fraction']}): objective {ch['objective']:+.4f}; "
+                f"streaming {next(c['objective'] for c in selected['candidates'] if c['policy'] == 'streaming'):+.4f}")
     cost = time.perf_counter() - t_start
     doc = {
         "version": CALIBRATION_VERSION, "model_sha256": sha, "model_file": model_path.name, "arch": arch,
@@ -198,14 +254,15 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
         "chosen": {k: best[k] for k in ("layer_a", "layer_b", "window", "recent_fraction")},
         "chosen_delta_nll": best["delta_nll"], "baseline": results[_key(base_cfg, DEFAULT_RECENT_FRACTION)],
         "baseline_delta_nll": baseline,
-        "anatomy": {"candidates_a": pos_l, "candidates_b": neg_l, "n_positions": int(len(Y)),
+        "anatomy": {"candidates_a": pos_l, "candidates_b": neg_l, "n_positions": int(n_lab),
                     "label_settings": asdict(s), "layers": layer_stats},
         "grid": {"search": "full" if full_grid else "coordinate", **asdict(grid)},
         "grid_results": list(results.values()),
-        "cost_seconds": {"labels_and_anatomy": round(t_labels, 1), "grid": round(t_grid, 1), "total": round(cost, 1),
+        "query_stats": qs_name, "selected": selected,
+        "cost_seconds": {"labels_and_anatomy": round(t_labels, 1), "grid": round(t_grid, 1),
+                         "signals": round(t_signals, 1), "total": round(cost, 1),
                          "n_configs": len(results), "n_passes": len(results) * len(traces) * len(budgets)},
     }
-    path = Path(out) if out else calibration_dir() / f"{sha}.json"
     write_atomic(path, json.dumps(doc, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
     log(f"chosen layers {best['layer_a']},{best['layer_b']} window {best['window']} recent {best['recent_fraction']}: "
         f"dev ΔNLL {best['delta_nll']:+.4f} vs default {baseline:+.4f}; {cost:.0f}s; wrote {path}")

@@ -19,17 +19,24 @@ def add_commands(sub) -> dict:
     lp.add_argument("--stride", type=int, default=16, help="checkpoint spacing = positions per checkpoint (16)")
     lp.add_argument("--min-pos", type=int, default=16, help="first labelled position (default 16)")
     lp.add_argument("--control", action="store_true", help="also re-decode the no-removal branch (control rows)")
+    lp.add_argument("--batch", type=int, default=1, help="counterfactual branches decoded together in one batch "
+                    "(default 1)")
     lp.add_argument("--out", default="results/labels.jsonl", help="output JSONL (resumed if it exists)")
     lp.add_argument("--threads", type=int, default=None)
-    cp = sub.add_parser("calibrate", help="choose EPIKV layers/window/recent share for a model on dev traces")
+    cp = sub.add_parser("calibrate", help="choose EPIKV layers/window/recent share, then the policy among the "
+                                          "signals ('--policy calibrated'), for a model on dev traces")
     cp.add_argument("--model", help="GGUF model (default: the cached default model)")
     cp.add_argument("--traces", help="dev JSONL traces (default: ../shared/data/r1_traces_dev.jsonl beside a source checkout, "
                          "else the dev traces shipped with the package)")
     cp.add_argument("--quick", action="store_true", help="tiny grid on one short trace (smoke test)")
+    cp.add_argument("--fast", action="store_true", help="the affordable profile for larger models: cheaper labels, "
+                    "smaller grid (about 15 minutes for a 0.5B model on 2 cores; docs/calibration.md)")
     cp.add_argument("--full-grid", action="store_true", help="search the Cartesian grid, not coordinate-wise")
     cp.add_argument("--n-traces", type=int, default=None, help="dev traces for the fidelity grid (default 3)")
     cp.add_argument("--labels", help="labels JSONL to reuse (or to write, resumable) for the anatomy ranking")
     cp.add_argument("--out", help="write the calibration JSON here instead of the cache")
+    cp.add_argument("--no-signals", action="store_true", help="skip step 3 (query statistics and the choice "
+                    "among the signals): EPIKV's settings only")
     cp.add_argument("--threads", type=int, default=None)
     return {"labels": run_labels_cmd, "calibrate": run_calibrate_cmd}
 
@@ -47,7 +54,7 @@ def run_labels_cmd(args: argparse.Namespace) -> int:
 
     model_path = _model_path(args.model)
     s = LabelSettings(max_tokens=args.max_tokens, horizon=args.horizon, delay=args.delay, stride=args.stride,
-                      min_pos=args.min_pos)
+                      min_pos=args.min_pos, batch=args.batch)
     with Model(model_path) as model:
         stats = run_labels(model, model_path, args.traces, args.out, s, n_traces=args.n_traces,
                            n_threads=args.threads, control=args.control)
@@ -58,17 +65,22 @@ def run_labels_cmd(args: argparse.Namespace) -> int:
 def run_calibrate_cmd(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from .calibrate import QUICK_GRID, Grid, calibrate
+    from ..errors import ConfigError
+    from .calibrate import FAST_GRID, QUICK_GRID, Grid, calibrate
     from .traces import default_dev_traces
 
     model_path = _model_path(args.model)
     traces = args.traces or str(default_dev_traces())
-    grid = QUICK_GRID if args.quick else Grid()
+    if args.quick and args.fast:
+        raise ConfigError("--quick and --fast are exclusive")
+    grid = QUICK_GRID if args.quick else FAST_GRID if args.fast else Grid()
     if args.n_traces:
         grid = replace(grid, n_traces=args.n_traces)
     res = calibrate(model_path, traces, grid, full_grid=args.full_grid, n_threads=args.threads,
-                    labels_path=args.labels, out=args.out)
+                    labels_path=args.labels, out=args.out, signals=not args.no_signals)
     print(json.dumps({"path": res.path, "layer_a": res.layer_a, "layer_b": res.layer_b, "window": res.window,
                       "recent_fraction": res.recent_fraction, "delta_nll": res.delta_nll,
-                      "baseline_delta_nll": res.baseline_delta_nll}))
+                      "baseline_delta_nll": res.baseline_delta_nll,
+                      "selected": None if res.selected is None else
+                      {k: res.selected[k] for k in ("policy", "options", "recent_fraction", "objective")}}))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -31,13 +32,17 @@ def to_json(res: dict) -> str:
     return json.dumps(clean(res), indent=2, default=conv)
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, renamed into place."""
+def write_atomic(path: str | os.PathLike, text: "str | Callable[[Path], None]") -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, renamed into place. ``text`` may
+    be a function that writes the temporary file (binary formats, e.g. ``np.savez``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
     try:
-        tmp.write_text(text)
+        if callable(text):
+            text(tmp)
+        else:
+            tmp.write_text(text)
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -20,11 +20,14 @@ from .h2o import H2OPolicy
 from .keydiff import KeyDiffPolicy
 from .knorm import KNormPolicy
 from .lagkv import LagKVPolicy
+from .mix import EpikvMixPolicy
 from .none import NoEviction
 from .random_policy import RandomPolicy
+from .rkv import RKVPolicy, RKVRedundancyPolicy
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingLLM
 from .tova import TOVAPolicy
+from .triattention import TriAttentionPolicy
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class PolicySpec:
     cls: type[Policy]
     preset: dict = field(default_factory=dict)
     help: str = ""
+    #: True: not a configuration of its own but whatever a model's calibration selected (resolved by the
+    #: front doors, ``epikv_local.api.calibration.resolve_policy``, which know the model file)
+    from_calibration: bool = False
 
     @property
     def option_names(self) -> tuple[str, ...]:
@@ -53,6 +59,13 @@ _SPECS = [
     PolicySpec("epikv_lag", EpikvPolicy, {"normalization": "lag"}, "EPIKV with median/MAD normalisation"),
     PolicySpec("epikv_raw", EpikvPolicy, {"normalization": "raw"}, "EPIKV on raw g (no normalisation)"),
     PolicySpec("epikv_single", EpikvPolicy, {"ref_layers": (10,)}, "EPIKV with band A only"),
+    PolicySpec("epikv_mix", EpikvMixPolicy, help="EPIKV rank-mixed with KeyDiff (and TriAttention); calibrated weights"),
+    PolicySpec("triattention", TriAttentionPolicy, help="TriAttention: expected future attention from pre-RoPE "
+               "query statistics"),
+    PolicySpec("rkv_redundancy", RKVRedundancyPolicy, help="R-KV's redundancy term: older near-duplicate keys go"),
+    PolicySpec("rkv", RKVPolicy, help="R-KV: attention importance minus key redundancy (flash attention off)"),
+    PolicySpec("calibrated", Policy, help="the policy, settings and recent share that `epikv-local calibrate` "
+               "selected for this model among the signals", from_calibration=True),
     PolicySpec("h2o", H2OPolicy, help="H2O: accumulated attention (flash attention off)"),
     PolicySpec("tova", TOVAPolicy, help="TOVA: newest query's attention (flash attention off)"),
     PolicySpec("snapkv", SnapKVPolicy, help="SnapKV: pooled attention of a window (flash attention off)"),
@@ -78,6 +91,9 @@ def make_policy(name: "str | PolicySpec", **options) -> Policy:
 
     ConfigError for an unknown name, a setting the policy does not have, or a value out of range."""
     spec = policy_spec(name)
+    if spec.from_calibration:
+        raise ConfigError(f"policy {spec.name!r} is chosen per model by its calibration: give a model file "
+                          "(the CLI and epikv_local.Llama do) or run `epikv-local calibrate` first")
     unknown = sorted(set(options) - set(spec.option_names))
     if unknown:
         has = ", ".join(spec.option_names) or "no settings"
@@ -89,4 +105,5 @@ def make_policy(name: "str | PolicySpec", **options) -> Policy:
 
 __all__ = ["ModelShape", "Observation", "Policy", "PolicySpec", "Signals", "EpikvPolicy", "StreamingLLM",
            "NoEviction", "RandomPolicy", "KNormPolicy", "KeyDiffPolicy", "LagKVPolicy", "H2OPolicy", "TOVAPolicy",
-           "SnapKVPolicy", "REGISTRY", "make_policy", "policy_spec"]
+           "SnapKVPolicy", "EpikvMixPolicy", "TriAttentionPolicy", "RKVPolicy", "RKVRedundancyPolicy",
+           "REGISTRY", "make_policy", "policy_spec"]

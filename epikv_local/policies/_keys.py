@@ -41,3 +41,40 @@ def obs_keys(obs, who: str) -> np.ndarray:
     if k.ndim != 3:
         raise ValueError(f"keys must have shape (T, n_key_layers, d_k), got {k.shape}")
     return k
+
+
+class PositionRows:
+    """Per-position rows (keys, unit keys, pre-RoPE keys...) of the live positions, ascending by position.
+
+    ``pos``: (N,) int64; ``rows``: (N, ...) array or None before the first ``append``. A position written again
+    keeps its last rows. :meth:`keep_live` drops the rows of evicted positions (they never come back), so the
+    memory is bounded by the budget plus the tokens decoded since the last eviction.
+    """
+
+    def __init__(self) -> None:
+        self.pos = np.empty(0, dtype=np.int64)
+        self.rows: np.ndarray | None = None
+
+    def append(self, positions: np.ndarray, rows: np.ndarray) -> None:
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.rows is None:
+            self.pos, self.rows = positions.copy(), rows
+        else:
+            self.pos = np.concatenate([self.pos, positions])
+            self.rows = np.concatenate([self.rows, rows])
+        if len(self.pos) > 1 and np.any(np.diff(self.pos) <= 0):  # keep sorted, unique (last write wins)
+            last = len(self.pos) - 1 - np.unique(self.pos[::-1], return_index=True)[1]
+            self.pos, self.rows = self.pos[last], self.rows[last]
+
+    def keep_live(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Drop the rows of positions not in ``positions`` (M,); return (index into the kept rows of each of
+        ``positions``, found mask), both (M,)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.rows is None:
+            return np.zeros(len(positions), dtype=np.int64), np.zeros(len(positions), dtype=bool)
+        keep = np.isin(self.pos, positions)
+        self.pos, self.rows = self.pos[keep], self.rows[keep]
+        if not len(self.pos):
+            return np.zeros(len(positions), dtype=np.int64), np.zeros(len(positions), dtype=bool)
+        idx = np.minimum(np.searchsorted(self.pos, positions), len(self.pos) - 1)
+        return idx, self.pos[idx] == positions

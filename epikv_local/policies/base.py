@@ -29,6 +29,17 @@ class ModelShape:
     n_embd: int = 0
     n_head: int = 0
     n_head_kv: int = 0
+    #: RoPE of the attention layers, for policies that undo it (TriAttention): "norm" (pairs 2i, 2i+1),
+    #: "neox" (pairs i, i + rope_dims/2), "none", or "other" (a variant no policy here can invert)
+    rope_type: str = "norm"
+    rope_dims: int = 0           # rotated dimensions per head (0: the whole head)
+    rope_freq_base: float = 10000.0
+    rope_freq_scale: float = 1.0
+
+    @property
+    def head_dim(self) -> int:
+        """Dimensions of one attention head (n_embd / n_head; 0 when unknown)."""
+        return self.n_embd // self.n_head if self.n_head else 0
 
 
 @dataclass(frozen=True)
@@ -38,12 +49,14 @@ class Signals:
     layers: layers whose residual-stream change g is captured (0 .. n_layer - 2: the last layer keeps only
         output rows in llama.cpp).
     key_layers: layers whose keys after RoPE are captured (0 .. n_layer - 1).
+    query_layers: layers whose queries after RoPE are captured (0 .. n_layer - 1).
     attention_layers: layers whose attention weights are read back (only with ``needs_attention``).
     """
 
     layers: tuple[int, ...] = ()
     key_layers: tuple[int, ...] = ()
     attention_layers: tuple[int, ...] = ()
+    query_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -53,6 +66,7 @@ class Observation:
     positions: (T,) int64 positions of the new tokens.
     g: (T, len(layers)) float64 residual-stream change (NaN for a sequence's first token), or None.
     keys: (T, len(key_layers), d_k) float32 keys after RoPE (d_k = n_head_kv * head_dim), or None.
+    queries: (T, len(query_layers), d_q) float32 queries after RoPE (d_q = n_head * head_dim), or None.
     cell_pos: (C,) int32 position held by each KV cell after the decode (-1: none), or None.
     attn_received: (C,) float32 attention the cells received from the T new queries (mean over captured
         layers and heads, so each query contributes 1), or None.
@@ -62,6 +76,7 @@ class Observation:
     positions: np.ndarray
     g: np.ndarray | None = None
     keys: np.ndarray | None = None
+    queries: np.ndarray | None = None
     cell_pos: np.ndarray | None = None
     attn_received: np.ndarray | None = None
     attn_last: np.ndarray | None = None
@@ -91,7 +106,7 @@ class Policy:
             if not 0 <= il < shape.n_layer - 1:
                 raise ConfigError(f"policy {self.name!r}: layer {il} is beyond what a {shape.n_layer}-layer model "
                                   f"can capture (0..{shape.n_layer - 2})")
-        for il in sig.key_layers + sig.attention_layers:
+        for il in sig.key_layers + sig.attention_layers + sig.query_layers:
             if not 0 <= il < shape.n_layer:
                 raise ConfigError(f"policy {self.name!r}: layer {il} is beyond this {shape.n_layer}-layer model")
         self.bound = sig

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ._keys import KeyLayers, obs_keys
+from ._keys import KeyLayers, PositionRows, obs_keys
 from .base import Observation, Policy
 
 _EPS = 1e-12
@@ -39,38 +39,22 @@ class KeyDiffPolicy(KeyLayers, Policy):
         super().__post_init__()
 
     def reset(self) -> None:
-        self._pos = np.empty(0, dtype=np.int64)   # ascending stored positions
-        self._keys: np.ndarray | None = None        # (N, L, d_k) unit rows
+        self._store = PositionRows()   # (N, L, d_k) unit key rows of the live positions
 
     def observe(self, obs: Observation) -> None:
         k = obs_keys(obs, "KeyDiffPolicy")
-        if not len(k):
-            return
-        unit = k / (np.linalg.norm(k, axis=-1, keepdims=True) + _EPS)
-        pos = np.asarray(obs.positions, dtype=np.int64)
-        if self._keys is None:
-            self._pos, self._keys = pos.copy(), unit
-        else:
-            self._pos = np.concatenate([self._pos, pos])
-            self._keys = np.concatenate([self._keys, unit])
-        if len(self._pos) > 1 and np.any(np.diff(self._pos) <= 0):  # keep sorted, unique (last write wins)
-            rev = len(self._pos) - 1 - np.unique(self._pos[::-1], return_index=True)[1]
-            self._pos, self._keys = self._pos[rev], self._keys[rev]
+        if len(k):
+            self._store.append(obs.positions, k / (np.linalg.norm(k, axis=-1, keepdims=True) + _EPS))
 
     def score(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
         out = np.full(len(positions), np.nan)
-        if self._keys is None or not len(positions):
+        idx, found = self._store.keep_live(positions)
+        if not found.any():
             return out
-        keep = np.isin(self._pos, positions)
-        self._pos, self._keys = self._pos[keep], self._keys[keep]
-        if not len(self._pos):
-            return out
-        mean = self._keys.mean(axis=0)                                   # (L, d_k)
+        keys = self._store.rows
+        mean = keys.mean(axis=0)                                          # (L, d_k)
         mean /= np.linalg.norm(mean, axis=-1, keepdims=True) + _EPS
-        cos = np.einsum("nld,ld->nl", self._keys, mean).mean(axis=1)    # (N,)
-        idx = np.searchsorted(self._pos, positions)
-        idx_c = np.minimum(idx, len(self._pos) - 1)
-        found = self._pos[idx_c] == positions
-        out[found] = -cos[idx_c[found]]
+        cos = np.einsum("nld,ld->nl", keys, mean).mean(axis=1)           # (N,)
+        out[found] = -cos[idx[found]]
         return out

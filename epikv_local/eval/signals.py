@@ -1,0 +1,146 @@
+"""Calibration, step 3: choose this model's policy among the signals (dev traces only).
+
+EPIKV's own settings (step 2, :mod:`.calibrate`) make the best *residual-stream* policy; on some models a
+key-based score or plain recency is better (docs/benchmarks.md). This step evaluates a fixed list of
+candidates, each a (registered policy, settings, recent share), on the same dev traces and budgets, and
+selects the one with the lowest objective:
+
+    objective = mean over traces x budgets of (all-token ΔNLL + key-token ΔNLL) / 2
+
+(key tokens as in docs/longrange.md: W = 64, threshold 2.0 nats, from a full-cache and a local-window pass per
+trace). The first half is what every token sees; the second is the long-range part that a recent window
+cannot serve. StreamingLLM is a candidate, so on the dev traces the selection is never worse than it.
+
+Candidates (:func:`candidates`): streaming; EPIKV with step 2's settings; KeyDiff, TriAttention (offline query
+statistics of the dev traces) and R-KV's redundancy term at recent shares 0.5 and 0.75; EPIKV-mix (EPIKV +
+KeyDiff ranks) with KeyDiff weights 0.5, 1 and 2 at step 2's recent share, and with TriAttention (13 in all;
+the ``--fast`` profile keeps 7: the rivals at step 2's recent share and the mixes of weight 1).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..engine.budget import BudgetConfig
+from ..engine.handles import Context, Model
+from ..engine.native import CAPTURE_Q
+from ..policies import PolicySpec, policy_spec
+from ..policies.rope import check_invertible, to_complex
+from ..policies.triattention import QueryStats
+from . import longrange as lr
+from .fidelity import TraceSpans, compare_pass, key_positions_of, local_window_nll
+from .progress import progress_bar
+
+OBJECTIVE = "mean over traces x budgets of (delta_nll + key_delta_nll) / 2"
+
+
+def collect_query_stats(model: Model, traces: list[tuple[str, list[int]]], n_threads: int | None = None,
+                        chunk: int = 64, log: Callable[[str], None] | None = None) -> QueryStats:
+    """Pre-RoPE query statistics of every layer over ``traces`` (one full-cache pass each, queries captured)."""
+    sh = model.info.shape
+    check_invertible(sh, "query statistics")
+    layers = tuple(range(sh.n_layer))
+    qs = QueryStats(layers, sh.n_head, (sh.rope_dims or sh.head_dim) // 2)
+    n_ctx = max(len(t) for _, t in traces)
+    with Context(model, n_ctx=n_ctx, n_batch=chunk, n_threads=n_threads) as ctx:
+        for il in layers:
+            ctx.set_layer_capture(il, True, CAPTURE_Q)
+        for _, toks in progress_bar(traces, "query statistics", unit="trace"):
+            ctx.clear()
+            for i in range(0, len(toks), chunk):
+                part = toks[i:i + chunk]
+                pos = np.arange(i, i + len(part))
+                ctx.decode(part, pos, logits_last=False)
+                rows = np.stack([ctx.layer_capture(il, len(part), CAPTURE_Q) for il in layers], axis=1)
+                qs.update(to_complex(rows, pos, sh, sh.n_head))
+    if log:
+        log(f"query statistics of {qs.count} tokens x {len(layers)} layers")
+    return qs
+
+
+def candidates(epikv: dict, recent: float, query_stats: str | None, fast: bool = False
+               ) -> list[tuple[str, tuple, float]]:
+    """(policy name, settings as sorted (key, value) pairs, recent share) to compare, without repeats;
+    ``epikv`` = step 2's {"layers", "window"}, ``recent`` its recent share. ``fast``: the rivals at ``recent`` only and one EPIKV-mix weight (7 candidates, not 13)."""
+    out: list[tuple[str, dict, float]] = [("streaming", {}, 0.5), ("epikv", dict(epikv), recent)]
+    if fast:
+        out += [("keydiff", {}, recent), ("rkv_redundancy", {}, recent), ("epikv_mix", {**epikv, "w_keydiff": 1.0},
+                                                                            recent)]
+        if query_stats:
+            out += [("triattention", {"query_stats": query_stats}, recent),
+                    ("epikv_mix", {**epikv, "w_keydiff": 0.0, "w_triattention": 1.0, "query_stats": query_stats},
+                     recent)]
+        return _unique(out)
+    for rf in (0.5, 0.75):
+        out.append(("keydiff", {}, rf))
+        out.append(("rkv_redundancy", {}, rf))
+        if query_stats:
+            out.append(("triattention", {"query_stats": query_stats}, rf))
+    for w in (0.5, 1.0, 2.0):
+        out.append(("epikv_mix", {**epikv, "w_keydiff": w}, recent))
+    if query_stats:
+        out.append(("epikv_mix", {**epikv, "w_keydiff": 0.0, "w_triattention": 1.0, "query_stats": query_stats},
+                    recent))
+    return _unique(out)
+
+
+def _unique(out: list[tuple[str, dict, float]]) -> list[tuple[str, tuple, float]]:
+    return list(dict.fromkeys((n, tuple(sorted(o.items())), r) for n, o, r in out))
+
+
+def select_policy(model: Model, traces: list[tuple[str, list[int]]], refs: list, budgets: list[int],
+                  chunk: int, n_sink: int, epikv: dict, recent: float, query_stats: str | None,
+                  n_threads: int | None = None, log: Callable[[str], None] | None = None, fast: bool = False) -> dict:
+    """Evaluate :func:`candidates` on ``traces`` (full-cache references ``refs``, flash attention on) and
+    return {"chosen": {policy, options, recent_fraction, objective, ...}, "candidates": [...], "seconds"}."""
+    log = log or (lambda m: None)
+    t0 = time.perf_counter()
+    spans = []
+    for (tid, toks), ref in zip(traces, refs):
+        wn = local_window_nll(model, toks, lr.KEY_WINDOW, ref.eval_start, len(toks) - 1, n_threads=n_threads)
+        sp = TraceSpans(len(toks), key_positions=key_positions_of(ref, toks, wn, lr.KEY_THRESHOLD, len(toks)),
+                        key_window=lr.KEY_WINDOW, key_threshold=lr.KEY_THRESHOLD)
+        spans.append(sp)
+    cands = candidates(epikv, recent, query_stats, fast=fast)
+    results = []
+    bar = progress_bar(total=len(cands) * len(traces) * len(budgets), desc="signals", unit="pass")
+    try:
+        for name, opts_t, rf in cands:
+            opts = dict(opts_t)
+            base = policy_spec(name)
+            spec = PolicySpec(name, base.cls, {**base.preset, **opts})
+            vals, keys = [], []
+            for (tid, toks), ref, sp in zip(traces, refs, spans):
+                for b in budgets:
+                    bc = BudgetConfig(kv_budget=b, n_sink=n_sink, recent_fraction=rf, protect_prompt=False)
+                    row = compare_pass(model, toks, ref, spec, bc, chunk, n_threads=n_threads, spans=sp)
+                    vals.append(row["delta_nll"])
+                    keys.append(row.get("key_delta_nll"))
+                    bar.update(1)
+            key_mean = float(np.mean([k for k in keys if k is not None])) if any(k is not None for k in keys) \
+                else float("nan")
+            all_mean = float(np.mean(vals))
+            obj = (all_mean + key_mean) / 2 if np.isfinite(key_mean) else all_mean
+            r = {"policy": name, "options": _jsonable(opts), "recent_fraction": rf, "delta_nll": all_mean,
+                 "key_delta_nll": key_mean, "objective": obj}
+            results.append(r)
+            log(f"{name} {_short(opts)} recent {rf}: ΔNLL {all_mean:+.4f} key ΔNLL {key_mean:+.4f} -> {obj:+.4f}")
+    finally:
+        bar.close()
+    best = min(results, key=lambda r: r["objective"])
+    return {"objective": OBJECTIVE, "chosen": best, "candidates": results,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _jsonable(opts: dict) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else os.fspath(v) if isinstance(v, Path) else v)
+            for k, v in opts.items()}
+
+
+def _short(opts: dict) -> str:
+    return ", ".join(f"{k}={Path(v).name if k == 'query_stats' else v}" for k, v in opts.items()) or "defaults"
