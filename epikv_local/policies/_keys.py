@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ..errors import ConfigError
@@ -78,3 +80,13 @@ class PositionRows:
             return np.zeros(len(positions), dtype=np.int64), np.zeros(len(positions), dtype=bool)
         idx = np.minimum(np.searchsorted(self.pos, positions), len(self.pos) - 1)
         return idx, self.pos[idx] == positions
+
+    def scores(self, positions: np.ndarray, per_row: Callable[[], np.ndarray]) -> np.ndarray:
+        """Scores (M,) float64 of ``positions`` (M,): after :meth:`keep_live`, ``per_row()`` rates the kept rows
+        ((N,) in row order); positions without rows score NaN (lowest)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.full(len(positions), np.nan)
+        idx, found = self.keep_live(positions)
+        if found.any():
+            out[found] = per_row()[idx[found]]
+        return out

@@ -47,14 +47,11 @@ class KeyDiffPolicy(KeyLayers, Policy):
             self._store.append(obs.positions, k / (np.linalg.norm(k, axis=-1, keepdims=True) + _EPS))
 
     def score(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        out = np.full(len(positions), np.nan)
-        idx, found = self._store.keep_live(positions)
-        if not found.any():
-            return out
+        return self._store.scores(positions, self._dissimilarity)
+
+    def _dissimilarity(self) -> np.ndarray:
+        """(N,) -mean over key layers of cos(row, mean unit key of the live rows)."""
         keys = self._store.rows
         mean = keys.mean(axis=0)                                          # (L, d_k)
         mean /= np.linalg.norm(mean, axis=-1, keepdims=True) + _EPS
-        cos = np.einsum("nld,ld->nl", keys, mean).mean(axis=1)           # (N,)
-        out[found] = -cos[idx[found]]
-        return out
+        return -np.einsum("nld,ld->nl", keys, mean).mean(axis=1)

@@ -75,13 +75,7 @@ class RKVRedundancyPolicy(KeyLayers, Policy):
         return _softmax(red.astype(np.float64))
 
     def score(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        out = np.full(len(positions), np.nan)
-        idx, found = self._store.keep_live(positions)
-        if not found.any():
-            return out
-        out[found] = -self.redundancy()[idx[found]]
-        return out
+        return self._store.scores(positions, lambda: -self.redundancy())
 
 
 @dataclass
@@ -111,11 +105,10 @@ class RKVPolicy(RKVRedundancyPolicy):
         self._rows.append(per_position(obs, which, "RKVPolicy"))
 
     def score(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        out = np.full(len(positions), np.nan)
-        idx, found = self._store.keep_live(positions)
-        if not found.any():
-            return out
+        return self._store.scores(positions, self._mixed)
+
+    def _mixed(self) -> np.ndarray:
+        """(N,) lam * importance - (1 - lam) * redundancy of the live rows."""
         stored = self._store.pos
         imp = np.zeros(len(stored))
         for pos, vals in self._rows:   # attention of the observation window, per stored position
@@ -123,6 +116,4 @@ class RKVPolicy(RKVRedundancyPolicy):
             ok = (j < len(stored)) & (stored[np.minimum(j, len(stored) - 1)] == pos)
             np.add.at(imp, j[ok], vals[ok])
         imp = imp / imp.sum() if imp.sum() > 0 else np.full(len(imp), 1.0 / len(imp))
-        s = self.lam * imp - (1.0 - self.lam) * self.redundancy()
-        out[found] = s[idx[found]]
-        return out
+        return self.lam * imp - (1.0 - self.lam) * self.redundancy()

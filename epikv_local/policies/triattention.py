@@ -156,19 +156,16 @@ class TriAttentionPolicy(KeyLayers, Policy):
         self._t_now = max(self._t_now, int(pos.max()))
 
     def score(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        out = np.full(len(positions), np.nan)
-        idx, found = self._store.keep_live(positions)
-        if not found.any():
-            return out
+        return self._store.scores(positions, self._expected_attention)
+
+    def _expected_attention(self) -> np.ndarray:
+        """(N,) mean over key layers and KV heads of the z-normalised trig + norm score of the live keys."""
         stats = self._offline or self._online
-        centre, resid = stats.per_kv_head(self._shape.n_head_kv)                 # (L, H, F) each
+        centre, resid = stats.per_kv_head(self._shape.n_head_kv)                       # (L, H, F) each
         phase = np.exp(1j * np.outer(self._t_now - self._store.pos, self._omega)) * self._m   # (N, F)
         k = self._store.rows.astype(np.complex128)
         trig = np.einsum("nlhf,lhf,nf->nlh", np.conj(k), centre, phase).real
         s = trig + np.einsum("nlhf,lhf->nlh", np.abs(k), resid)
         sd = s.std(axis=0)
         z = (s - s.mean(axis=0)) / np.where(sd > 0, sd, 1.0)
-        per_pos = z.mean(axis=(1, 2))
-        out[found] = per_pos[idx[found]]
-        return out
+        return z.mean(axis=(1, 2))
