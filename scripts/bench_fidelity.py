@@ -494,8 +494,7 @@ def merge(args) -> int:
         if not sp.is_file():
             raise DataError(f"--merge: {part} has no summary file {sp.name} beside it")
         docs.append(json.loads(sp.read_text()))
-    keys = ("source", "traces", "max_tokens", "budgets", "chunk", "n_sink", "key_window", "key_threshold",
-            "answer_span")
+    keys = ("source", "max_tokens", "budgets", "chunk", "n_sink", "key_window", "key_threshold", "answer_span")
     for d in docs[1:]:
         diff = [k for k in keys if d["settings"].get(k) != docs[0]["settings"].get(k)]
         if diff:
@@ -509,6 +508,8 @@ def merge(args) -> int:
     summary = summarize(rows, n_resamples=args.bootstrap, seed=args.seed, baseline=args.paired_baseline)
     settings = dict(docs[0]["settings"])
     settings["policies"] = list(dict.fromkeys(p for d in docs for p in d["settings"]["policies"]))
+    settings["traces"] = list(dict.fromkeys(t for d in docs for t in d["settings"]["traces"]))
+    settings["n_traces"] = len(settings["traces"])
     settings["calibration"] = next((d["settings"]["calibration"] for d in docs if d["settings"].get("calibration")),
                                    None)
     doc = {"command": shlex.join([sys.executable] + sys.argv), "parts": [d["command"] for d in docs],
