@@ -13,7 +13,7 @@ cannot serve. StreamingLLM is a candidate, so on the dev traces the selection is
 
 Candidates (:func:`candidates`): streaming; EPIKV with step 2's settings; KeyDiff, TriAttention (offline query
 statistics of the dev traces) and R-KV's redundancy term at recent shares 0.5 and 0.75; EPIKV-mix (EPIKV +
-KeyDiff ranks) with KeyDiff weights 0.5, 1 and 2 at step 2's recent share, and with TriAttention (13 in all;
+KeyDiff ranks) with KeyDiff weights 0.5, 1 and 2 at step 2's recent share, and with TriAttention (12 in all;
 the ``--fast`` profile keeps 7: the rivals at step 2's recent share and the mixes of weight 1).
 """
 
@@ -66,22 +66,14 @@ def collect_query_stats(model: Model, traces: list[tuple[str, list[int]]], n_thr
 def candidates(epikv: dict, recent: float, query_stats: str | None, fast: bool = False
                ) -> list[tuple[str, tuple, float]]:
     """(policy name, settings as sorted (key, value) pairs, recent share) to compare, without repeats;
-    ``epikv`` = step 2's {"layers", "window"}, ``recent`` its recent share. ``fast``: the rivals at ``recent`` only and one EPIKV-mix weight (7 candidates, not 13)."""
+    ``epikv`` = step 2's {"layers", "window"}, ``recent`` its recent share. ``fast``: the rivals at ``recent`` only and one EPIKV-mix weight (7 candidates, not 12)."""
     out: list[tuple[str, dict, float]] = [("streaming", {}, 0.5), ("epikv", dict(epikv), recent)]
-    if fast:
-        out += [("keydiff", {}, recent), ("rkv_redundancy", {}, recent), ("epikv_mix", {**epikv, "w_keydiff": 1.0},
-                                                                            recent)]
-        if query_stats:
-            out += [("triattention", {"query_stats": query_stats}, recent),
-                    ("epikv_mix", {**epikv, "w_keydiff": 0.0, "w_triattention": 1.0, "query_stats": query_stats},
-                     recent)]
-        return _unique(out)
-    for rf in (0.5, 0.75):
+    for rf in ((recent,) if fast else (0.5, 0.75)):
         out.append(("keydiff", {}, rf))
         out.append(("rkv_redundancy", {}, rf))
         if query_stats:
             out.append(("triattention", {"query_stats": query_stats}, rf))
-    for w in (0.5, 1.0, 2.0):
+    for w in ((1.0,) if fast else (0.5, 1.0, 2.0)):
         out.append(("epikv_mix", {**epikv, "w_keydiff": w}, recent))
     if query_stats:
         out.append(("epikv_mix", {**epikv, "w_keydiff": 0.0, "w_triattention": 1.0, "query_stats": query_stats},
