@@ -33,6 +33,7 @@ for _p in (REPO, REPO / "scripts"):  # the source tree; bench_fidelity's provena
         sys.path.insert(0, str(_p))
 
 from epikv_local.errors import ConfigError, DataError, run_main  # noqa: E402
+from epikv_local.eval.io import write_atomic  # noqa: E402
 
 PROG = "bench_collapse"
 DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "math500.jsonl"
@@ -51,11 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
                     help="JSONL with 'problem' fields (default ../shared/data/math500.jsonl; the first --n-prompts)")
     ap.add_argument("--n-prompts", type=int, default=6, help="prompts (default 6)")
+    ap.add_argument("--skip-prompts", type=int, default=0,
+                    help="skip the file's first N problems (default 0; e.g. 6: prompts disjoint from the dev run)")
     ap.add_argument("--max-tokens", type=int, default=256, help="generated tokens at most (default 256)")
     ap.add_argument("--budgets", default="64,128", help="comma-separated KV budgets (default 64,128)")
     ap.add_argument("--policies", default=DEFAULT_POLICIES,
-                    help=f"comma-separated evicting policies (default {DEFAULT_POLICIES}); the full cache "
-                         "(none) always runs as the baseline")
+                    help=f"comma-separated evicting policies, or 'all' for every registered one (default "
+                         f"{DEFAULT_POLICIES}); the full cache (none) always runs as the baseline")
+    ap.add_argument("--calibration", help="also run 'epikv_calibrated' and 'calibrated' (step 3's choice, at its "
+                                          "own recent share) from this calibration JSON ('auto': the model's)")
+    ap.add_argument("--merge", help="A.json,B.json: one result from runs made in parts (same prompts, seeds and "
+                                    "settings; the full-cache rows must agree), summary recomputed")
     ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default 0.6)")
     ap.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (+1 per prompt; default 0)")
@@ -138,14 +145,18 @@ def run(args) -> int:
         except ValueError:
             raise ConfigError(f"budgets must be comma-separated integers, got {args.budgets!r}") from None
         policies = list(dict.fromkeys(t.strip() for t in args.policies.split(",") if t.strip()))
+        if policies == ["all"]:
+            policies = [p for p in REGISTRY if REGISTRY[p].cls.evicts and not REGISTRY[p].from_calibration]
     policies = [p for p in policies if p != BASELINE]
     if not budgets or any(b < 8 for b in budgets):
         raise ConfigError(f"budgets must be integers >= 8, got {args.budgets!r}")
     for p in policies:
         if p not in REGISTRY:
             raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(REGISTRY))}")
-    if n_prompts < 1 or max_tokens < 1:
-        raise ConfigError("--n-prompts and --max-tokens must be >= 1")
+        if REGISTRY[p].from_calibration:
+            raise ConfigError(f"policy {p!r} comes from a calibration: use --calibration FILE|auto")
+    if n_prompts < 1 or max_tokens < 1 or args.skip_prompts < 0:
+        raise ConfigError("--n-prompts and --max-tokens must be >= 1, --skip-prompts >= 0")
     if not 0.0 < args.temperature:
         raise ConfigError(f"--temperature must be > 0 (sampling), got {args.temperature}")
     model_path = Path(args.model).expanduser() if args.model else default_model_path()
@@ -153,27 +164,47 @@ def run(args) -> int:
     src = Path(args.prompts)
     if not src.is_file():
         raise DataError(f"prompt file not found: {src}")
-    problems = load_problems(src, n_prompts)
+    # (label, policy name or spec, recent share): the registered ones at --recent-fraction, a calibration's
+    # policies at the recent share they were calibrated with
+    specs = [(p, p, args.recent_fraction) for p in policies]
+    cal_info = None
+    if args.calibration:
+        from bench_fidelity import calibrated_spec, load_calibration_arg, selected_spec
+
+        cal = load_calibration_arg(args.calibration, model_path)
+        specs.append(("epikv_calibrated", calibrated_spec(cal), cal.recent_fraction))
+        if cal.selected is not None:
+            specs.append(("calibrated", None, None))  # resolved per budget below
+        cal_info = {"path": str(cal.path), "epikv": cal.policy_options(), "recent_fraction": cal.recent_fraction,
+                    "selected": cal.selected,
+                    "selected_by_budget": {str(b): cal.selected_for(b) for b in budgets}
+                    if cal.selected_by_budget else None}
+    problems = load_problems(src, n_prompts, skip=args.skip_prompts)
     if not problems:
         raise DataError(f"no problem in {src}")
     name = args.name or ("quick" if args.quick else src.stem)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    runs = [(BASELINE, None)] + [(p, b) for b in budgets for p in policies]
+    runs = [(BASELINE, BASELINE, args.recent_fraction, None)]
+    for b in budgets:
+        for lab, sp, rf in specs:
+            if lab == "calibrated":  # step 3's choice for this budget, at its own recent share
+                sp, rf = selected_spec(cal, b), cal.selected_for(b)["recent_fraction"]
+            runs.append((lab, sp, rf, b))
     rows = []
     t_start = time.perf_counter()
     with Model(model_path) as model:
         for i, prob in enumerate(problems):
             prompt = tokenize_prompt(model, apply_chat_template(model, math_prompt(prob["problem"])))
             seed = args.seed + i
-            for policy, budget in runs:
-                g = generate_one(model, prompt, policy, budget, max_tokens, seed, temperature=args.temperature,
-                                 top_p=args.top_p, n_sink=args.n_sink, recent_fraction=args.recent_fraction,
+            for policy, spec, recent, budget in runs:
+                g = generate_one(model, prompt, spec, budget, max_tokens, seed, temperature=args.temperature,
+                                 top_p=args.top_p, n_sink=args.n_sink, recent_fraction=recent,
                                  chunk=args.chunk, n_threads=args.threads)
                 m = collapse_metrics(g["tokens"], g["text"], g["stop_reason"])
                 row = {"prompt_id": prob["id"], "prompt_index": i, "seed": seed, "n_prompt_tokens": len(prompt),
-                       "policy": policy, "kv_budget": budget, **m,
+                       "policy": policy, "kv_budget": budget, "recent_fraction": recent, **m,
                        **g}
                 rows.append(row)
                 _log(f"prompt {i + 1}/{len(problems)} {policy}@{budget or 'full'}: {g['n_generated']} tokens "
@@ -191,21 +222,80 @@ def run(args) -> int:
            "settings": {"prompts": str(src), "prompt_ids": [p["id"] for p in problems], "n_prompts": len(problems),
                         "prompt_suffix": math_prompt(""), "chat_template": True, "max_tokens": max_tokens,
                         "distinct_prefix_tokens": PREFIX,
-                        "budgets": budgets, "policies": policies, "baseline": BASELINE,
+                        "budgets": budgets, "policies": [lab for lab, _, _ in specs], "baseline": BASELINE,
+                        "skip_prompts": args.skip_prompts, "calibration": cal_info,
                         "temperature": args.temperature, "top_p": args.top_p,
                         "seed": "seed + prompt index, same for every policy", "seed_base": args.seed,
                         "n_sink": args.n_sink, "recent_fraction": args.recent_fraction, "protect_prompt": False,
                         "chunk": args.chunk, "bootstrap_resamples": args.bootstrap, "quick": bool(args.quick)},
            "wall_seconds": round(wall, 1), "summary": summary, "rows": rows}
-    path = out_dir / f"collapse_{name}.json"
-    path.write_text(dump(doc))
+    path = write_atomic(out_dir / f"collapse_{name}.json", dump(doc))
     print_tables(summary)
     _log(f"wrote {path} ({wall:.0f}s)")
     return 0
 
 
+#: settings that must agree between the parts of a merged result
+MERGE_KEYS = ("prompts", "prompt_ids", "prompt_suffix", "max_tokens", "budgets", "temperature", "top_p",
+              "seed_base", "n_sink", "chunk", "distinct_prefix_tokens")
+
+
+def merge(args) -> int:
+    """``--merge A.json,B.json``: one result from runs made in parts (e.g. the registered policies, then a
+    calibration's). Every part ran the full cache on the same prompts with the same seeds; those rows must be
+    the same generations (else the pairing would be wrong) and are kept once. The summary is recomputed."""
+    from epikv_local.eval.collapse import BASELINE, summarize_collapse
+
+    parts = [Path(x.strip()) for x in args.merge.split(",") if x.strip()]
+    if len(parts) < 2:
+        raise ConfigError("--merge needs two or more result files, comma-separated")
+    docs = []
+    for part in parts:
+        if not part.is_file():
+            raise DataError(f"--merge: {part} not found")
+        try:
+            docs.append(json.loads(part.read_text()))
+        except ValueError as e:
+            raise DataError(f"--merge: {part} is not JSON ({e})") from None
+    for part, d in zip(parts[1:], docs[1:]):
+        diff = [k for k in MERGE_KEYS if d["settings"].get(k) != docs[0]["settings"].get(k)]
+        if diff:
+            raise DataError(f"--merge: {part} differs from {parts[0]} in {', '.join(diff)}")
+    base = {r["prompt_id"]: r for r in docs[0]["rows"] if r["policy"] == BASELINE}
+    rows, seen = list(docs[0]["rows"]), {(r["prompt_id"], r["policy"], r["kv_budget"]) for r in docs[0]["rows"]}
+    for part, d in zip(parts[1:], docs[1:]):
+        for r in d["rows"]:
+            if r["policy"] == BASELINE:
+                if r["prompt_id"] in base and r["tokens"] != base[r["prompt_id"]]["tokens"]:
+                    raise DataError(f"--merge: the full-cache generation of {r['prompt_id']} differs in {part} "
+                                    "(different machine, threads or build?): the pairs would not be paired")
+                continue
+            k = (r["prompt_id"], r["policy"], r["kv_budget"])
+            if k in seen:
+                raise DataError(f"--merge: {k} appears twice")
+            seen.add(k)
+            rows.append(r)
+    summary = summarize_collapse(rows, n_resamples=args.bootstrap, seed=0)
+    settings = dict(docs[0]["settings"])
+    settings["policies"] = list(dict.fromkeys(p for d in docs for p in d["settings"]["policies"]))
+    settings["calibration"] = next((d["settings"].get("calibration") for d in docs
+                                    if d["settings"].get("calibration")), None)
+    from bench_fidelity import git_revision
+
+    doc = {"command": shlex.join([sys.executable] + sys.argv), "parts": [d["command"] for d in docs],
+           "git_revision": git_revision(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "machine": docs[0]["machine"], "model": docs[0]["model"], "settings": settings,
+           "wall_seconds": round(sum(d.get("wall_seconds", 0) for d in docs), 1), "summary": summary, "rows": rows}
+    name = args.name or "merged"
+    path = write_atomic(Path(args.out) / f"collapse_{name}.json", dump(doc))
+    print_tables(summary)
+    _log(f"wrote {path}")
+    return 0
+
+
 def _main(argv: list[str] | None) -> int:
-    return run(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    return merge(args) if args.merge else run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -253,15 +253,31 @@ def calibrated_spec(cal):
     return PolicySpec(CALIBRATED, EpikvPolicy, cal.policy_options(), "EPIKV with this model's calibration")
 
 
-def selected_spec(cal):
-    """``calibrated``: the policy and settings that ``cal``'s step 3 selected among the signals (run with its own
-    recent share, ``cal.selected["recent_fraction"]``), or None for a calibration without step 3."""
+def load_calibration_arg(arg: str, model_path: Path):
+    """``--calibration FILE|auto``: that file, or the model's own calibration (DataError when there is none)."""
+    from epikv_local.api.calibration import load_file, load_for_model
+
+    if arg == "auto":
+        cal = load_for_model(model_path)
+        if cal is None:
+            raise DataError("--calibration auto: this model has no calibration (run epikv-local calibrate)")
+        return cal
+    if not Path(arg).is_file():
+        raise DataError(f"calibration file not found: {arg}")
+    return load_file(arg)
+
+
+def selected_spec(cal, kv_budget: int | None = None):
+    """``calibrated`` at ``kv_budget``: the policy and settings that ``cal``'s step 3 selected among the signals
+    for that budget (``cal.selected_for``; run with its own recent share, ``cal.selected_for(b)["recent_fraction"]``),
+    or None for a calibration without step 3."""
     from epikv_local.policies import PolicySpec, policy_spec
 
-    if cal.selected is None:
+    sel = cal.selected_for(kv_budget)
+    if sel is None:
         return None
-    base = policy_spec(cal.selected["policy"])
-    return PolicySpec("calibrated", base.cls, {**base.preset, **cal.selected["options"]},
+    base = policy_spec(sel["policy"])
+    return PolicySpec("calibrated", base.cls, {**base.preset, **sel["options"]},
                       f"{base.name} as selected by this model's calibration")
 
 
@@ -289,16 +305,8 @@ def run(args) -> int:
             policies = list(dict.fromkeys(t.strip() for t in args.policies.split(",") if t.strip()))
     cal = None
     if args.calibration:
-        from epikv_local.api.calibration import load_file, load_for_model
-
-        if args.calibration == "auto":
-            cal = load_for_model(Path(args.model).expanduser() if args.model else default_model_path())
-            if cal is None:
-                raise DataError("--calibration auto: this model has no calibration (run epikv-local calibrate)")
-        else:
-            if not Path(args.calibration).is_file():
-                raise DataError(f"calibration file not found: {args.calibration}")
-            cal = load_file(args.calibration)
+        cal = load_calibration_arg(args.calibration,
+                                   Path(args.model).expanduser() if args.model else default_model_path())
         policies = [p for p in policies if p not in (CALIBRATED, "calibrated")]
         _log(f"epikv_calibrated: layers {cal.layer_a},{cal.layer_b} window {cal.window} recent share "
              f"{cal.recent_fraction} ({cal.path})")
@@ -411,11 +419,10 @@ def run(args) -> int:
                 if cal is not None:  # its own recent share, so its own evaluate_trace call
                     trace_rows += evaluate_trace(model, toks, [calibrated_spec(cal)], budgets,
                                                  recent_fraction=cal.recent_fraction, window_nll=window_nll, **common)
-                    sel = selected_spec(cal)
-                    if sel is not None:
-                        trace_rows += evaluate_trace(model, toks, [sel], budgets,
-                                                     recent_fraction=cal.selected["recent_fraction"],
-                                                     window_nll=window_nll, **common)
+                    if cal.selected is not None:  # its choice (and recent share) may differ per budget
+                        plan = [(selected_spec(cal, b), b, cal.selected_for(b)["recent_fraction"]) for b in budgets]
+                        trace_rows += evaluate_trace(model, toks, [], budgets, runs=plan, window_nll=window_nll,
+                                                     **common)
                 passes = {}
                 for r in trace_rows:
                     pp = r.pop("_per_position", None)
@@ -446,7 +453,9 @@ def run(args) -> int:
                      "calibration": (None if cal is None else
                                      {"path": cal.path, "layer_a": cal.layer_a, "layer_b": cal.layer_b,
                                       "window": cal.window, "recent_fraction": cal.recent_fraction,
-                                      "selected": cal.selected}),
+                                      "selected": cal.selected,
+                                      "selected_by_budget": {str(b): cal.selected_for(b) for b in budgets}
+                                      if cal.selected_by_budget else None}),
                      "bootstrap_resamples": args.bootstrap, "seed": args.seed, "quick": bool(args.quick),
                      "metrics_at": "positions t >= kv_budget (prediction of token t+1)",
                      "key_window": args.key_window or None, "key_threshold": args.key_threshold if args.key_window else None,

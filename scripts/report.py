@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the benchmark figures and tables from the committed results (one command).
 
-Reads ``results/`` (fidelity summaries, speed.json, overhead.json, long_*.jsonl), writes the figures to
+Reads ``results/`` (fidelity summaries, speed.json, overhead.json, long_*.jsonl, collapse_*.json), writes the figures to
 ``docs/figures/`` and replaces the generated block of ``docs/benchmarks.md`` (between the
 ``<!-- BEGIN GENERATED -->`` / ``<!-- END GENERATED -->`` markers) with the tables. Needs matplotlib.
 
@@ -66,6 +66,43 @@ def fidelity_section(summary_path: Path) -> str:
     plot_fidelity(rows, policies, budgets, FIGS / f"fidelity_{name}.png", name)
     if any("paired_vs_streaming" in r for r in rows):
         out.append(paired_section(rows, budgets, name))
+    jsonl = summary_path.with_name(summary_path.name.replace("_summary.json", ".jsonl"))
+    if "calibrated" in {r["policy"] for r in rows} and jsonl.is_file():
+        out.append(goal_section(jsonl, budgets))
+    return "\n".join(out)
+
+
+def goal_section(jsonl: Path, budgets) -> str:
+    """The issue-12 goal, cell by cell for ``calibrated``: its paired difference to StreamingLLM, and every other
+    policy that is significantly better than it (paired on the same traces; CI of other − calibrated below 0)."""
+    from epikv_local.eval.longrange import paired_summary
+
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    vs_cal = paired_summary(rows, baseline="calibrated", metrics=[m for m, _ in PAIRED])
+    out = ["**Goal check for `calibrated`**: paired difference calibrated − streaming [95% CI] (**bold** = "
+           "significantly better), and the policies significantly better than `calibrated` in that cell "
+           "(other − calibrated [95% paired CI]; none = no policy beats it significantly)", "",
+           "| metric | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for metric, title in PAIRED:
+        if not any(metric in r for r in rows):
+            continue
+        cells = []
+        for b in budgets:
+            st = vs_cal.get(("streaming", b), {}).get(metric)
+            if not st or st.get("mean") is None:
+                cells.append("–")
+                continue
+            d = {"mean": -st["mean"], "ci_low": -st["ci_high"], "ci_high": -st["ci_low"]}  # calibrated − streaming
+            c = fmt_ci(d, 3, True)
+            c = (f"**{c}**" if d["ci_high"] < 0 else f"*{c}*" if d["ci_low"] > 0 else
+                 "0 (the same passes as streaming)" if d["ci_low"] == d["ci_high"] == 0 else c)
+            better = sorted(((v[metric]["mean"], p, v[metric]) for (p, bb), v in vs_cal.items()
+                             if bb == b and metric in v and v[metric].get("ci_high") is not None
+                             and v[metric]["ci_high"] < 0), key=lambda t: t[0])
+            beat = "; ".join(f"{p} {fmt_ci(m, 3, True)}" for _, p, m in better) or "none"
+            cells.append(f"{c}<br>beaten by: {beat}")
+        out.append(f"| {title} | " + " | ".join(cells) + " |")
+    out.append("")
     return "\n".join(out)
 
 
@@ -246,6 +283,47 @@ def long_section() -> str:
     return "\n".join(out)
 
 
+COLLAPSE_COLS = (("mean_generated_tokens", "tokens", 0, False), ("distinct_3_prefix", "distinct-3 (first 64)", 2, False),
+                 ("longest_repeat_share", "longest repeat share", 2, False), ("loop", "loop", 2, False),
+                 ("hit_max_tokens", "hit max tokens", 2, False))
+COLLAPSE_PAIRED = (("distinct_3_prefix", "distinct-3 (first 64)"), ("longest_repeat_share", "longest repeat share"),
+                   ("loop", "loop"))
+
+
+def collapse_section(path: Path) -> str:
+    """Free-generation collapse (``collapse_<name>.json``): per run the means [95% CI over prompts], then the
+    paired differences to the full cache; a paired CI that excludes 0 is bold."""
+    d = json.loads(path.read_text())
+    st = d["settings"]
+    order = sorted(d["summary"], key=lambda s: (s["kv_budget"] is not None, s["kv_budget"] or 0, s["policy"]))
+    out = [f"### Free-generation collapse: `{path.name}`", "",
+           f"Command: `{d['command'].replace(str(ROOT) + '/', '')}` (git `{d['git_revision']}`, {d['date']}, "
+           f"{d['wall_seconds']:.0f} s); {st['n_prompts']} MATH-500 prompts after the first "
+           f"{st.get('skip_prompts', 0)}, {st['max_tokens']} tokens, temperature {st['temperature']}, top-p "
+           f"{st['top_p']}, seed per prompt shared by every run. Means [95% bootstrap CI over prompts]; paired: "
+           "run − full cache on the same prompt and seed [95% paired CI], **bold** = CI excludes 0.", "",
+           "| run | " + " | ".join(c[1] for c in COLLAPSE_COLS) + " | "
+           + " | ".join(f"paired {c[1]}" for c in COLLAPSE_PAIRED) + " |",
+           "|---" * (1 + len(COLLAPSE_COLS) + len(COLLAPSE_PAIRED)) + "|"]
+    for s in order:
+        label = "full cache" if s["kv_budget"] is None else f"{s['policy']}@{s['kv_budget']}"
+        cells = []
+        for key, _, digits, _ in COLLAPSE_COLS:
+            v = s.get(key)
+            cells.append("–" if v is None else f"{v:.{digits}f}" if not isinstance(v, dict) else
+                         (f"{v['mean']:.0f}" if digits == 0 else fmt_ci(v, digits)))
+        pv = s.get("paired_vs_none") or {}
+        for key, _ in COLLAPSE_PAIRED:
+            m = pv.get(key)
+            if not m or m.get("mean") is None:
+                cells.append("–")
+            else:
+                txt = fmt_ci(m, 2, signed=True)
+                cells.append(f"**{txt}**" if m["ci_low"] > 0 or m["ci_high"] < 0 else txt)
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--print", action="store_true", help="print the tables instead of updating the doc")
@@ -260,6 +338,8 @@ def main(argv=None) -> int:
         parts.append(long_md)
     for p in sorted(RESULTS.glob("fidelity_*_summary.json")):
         parts.append(fidelity_section(p))
+    for p in sorted(RESULTS.glob("collapse_*.json")):
+        parts.append(collapse_section(p))
     text = "\n".join(parts)
     if args.print:
         print(text)

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     if args.tokens < 1 or args.every < 1 or not 0 <= args.warmup < args.tokens:
         raise ConfigError("need --tokens >= 1, --every >= 1 and 0 <= --warmup < --tokens")
     model_path = check_gguf(args.model) if args.model else default_model_path()
-    resolved = resolve_policy(args.policy, model_path)
+    resolved = resolve_policy(args.policy, model_path, kv_budget=args.kv_budget)
     budget = BudgetConfig(kv_budget=args.kv_budget, recent_fraction=resolved.recent_fraction)
     samples, t0 = [], time.perf_counter()
     with Model(model_path) as model:

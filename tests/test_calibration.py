@@ -25,6 +25,69 @@ def test_result_configs():
     assert single.policy_options()["layers"] == (28,)
 
 
+def test_selected_for_follows_the_budget_on_a_log_scale(tmp_path):
+    import pytest
+
+    from epikv_local.errors import DataError
+
+    a, b, c = ({"policy": p, "options": {}, "recent_fraction": rf} for p, rf in
+               (("streaming", 0.5), ("keydiff", 0.75), ("epikv", 0.5)))
+    r = CalibrationResult(model_sha256="x", arch="llama", n_layer=30, layer_a=5, layer_b=None, window=64,
+                          recent_fraction=0.5, delta_nll=0.1, baseline_delta_nll=0.2, selected=c,
+                          selected_by_budget=((128, a), (256, b), (1024, c)))
+    assert r.selected_for(None) is c                   # budget unknown: the overall choice
+    assert r.selected_for(16) is a and r.selected_for(181) is a  # below the range; sqrt(128 * 256) = 181.02
+    assert r.selected_for(182) is b
+    assert r.selected_for(512) is c                    # 512 is as far from 256 as from 1024: the larger
+    assert r.selected_for(1 << 20) is c
+    plain = CalibrationResult(model_sha256="x", arch="llama", n_layer=30, layer_a=5, layer_b=None, window=64,
+                              recent_fraction=0.5, delta_nll=0.1, baseline_delta_nll=0.2, selected=c)
+    assert plain.selected_for(128) is c                # a calibration without per-budget choices
+
+    # the JSON round trip: per-budget entries as written by calibrate, query statistics made absolute
+    doc = {"model_sha256": "x", "arch": "llama", "n_layer": 30, "chosen_delta_nll": 0.1, "baseline_delta_nll": 0.2,
+           "chosen": {"layer_a": 5, "layer_b": None, "window": 64, "recent_fraction": 0.5},
+           "selected": {"chosen": {"policy": "epikv", "options": {"layers": [5]}, "recent_fraction": 0.5},
+                        "by_budget": [{"kv_budget": 512, "policy": "triattention", "recent_fraction": 0.75,
+                                       "options": {"query_stats": "q.npz"}},
+                                      {"kv_budget": 128, "policy": "streaming", "options": {},
+                                       "recent_fraction": 0.5}]}}
+    f = tmp_path / "cal.json"
+    f.write_text(json.dumps(doc))
+    cal = load_file(f)
+    assert [bb for bb, _ in cal.selected_by_budget] == [128, 512]
+    assert cal.selected_for(1000)["options"]["query_stats"] == str(tmp_path / "q.npz")
+    assert cal.selected_for(None)["options"]["layers"] == (5,)
+    doc["selected"]["by_budget"][0]["kv_budget"] = 0
+    f.write_text(json.dumps(doc))
+    with pytest.raises(DataError, match="malformed"):
+        load_file(f)
+    doc["selected"]["by_budget"][0].update(kv_budget=512, policy="no_such_policy")
+    f.write_text(json.dumps(doc))
+    with pytest.raises(DataError, match="malformed"):
+        load_file(f)
+
+
+def test_guarded_choice_keeps_streaming_inside_the_noise():
+    from epikv_local.eval.signals import guarded_choice
+
+    s, a, b = {"policy": "streaming"}, {"policy": "a"}, {"policy": "b"}
+    base = [1.0, 1.2, 0.8]
+    # a: lowest mean, but its paired advantage (-0.12, +0.1, -0.06) is inside one standard error -> not a;
+    # b: a steady advantage of 0.02 on every trace -> b
+    a_t, b_t = [0.88, 1.3, 0.74], [0.98, 1.18, 0.78]
+    ch, m = guarded_choice([(s, 1.0, base), (a, sum(a_t) / 3, a_t), (b, sum(b_t) / 3, b_t)])
+    assert ch is b and m["fallback"] and m["mean"] < 0 and m["n_traces"] == 3
+    assert m["mean"] + m["se"] < 0
+    # nothing clears the guard -> streaming, said so
+    ch, m = guarded_choice([(s, 1.0, base), (a, sum(a_t) / 3, a_t)])
+    assert ch is s and m == {"mean": 0.0, "se": 0.0, "n_traces": 3, "fallback": True}
+    # streaming is best -> streaming, no fallback; guard 0 -> the plain minimum
+    ch, m = guarded_choice([(s, 0.5, base), (a, 1.0, a_t)])
+    assert ch is s and not m["fallback"]
+    assert guarded_choice([(s, 1.0, base), (a, sum(a_t) / 3, a_t)], guard_se=0.0)[0] is a
+
+
 def test_load_for_model_without_calibration(tmp_path, monkeypatch):
     from epikv_local.api import calibration
 
@@ -104,12 +167,18 @@ def test_calibrate_quick_roundtrip(model_path, tmp_path):
     names = {c["policy"] for c in sel["candidates"]}
     assert {"streaming", "epikv", "keydiff", "triattention", "rkv_redundancy", "epikv_mix"} <= names
     stream = min(c["objective"] for c in sel["candidates"] if c["policy"] == "streaming")
+    # one dev trace in the quick grid: no standard error, so the guard reduces to "beats streaming"
     assert sel["chosen"]["objective"] == min(c["objective"] for c in sel["candidates"]) <= stream
+    # per budget (the quick grid has one, 64): the best candidate at that budget, and what `calibrated` runs there
+    assert [e["kv_budget"] for e in sel["by_budget"]] == [64]
+    best64 = min(c["per_budget"]["64"]["objective"] for c in sel["candidates"])
+    assert sel["by_budget"][0]["objective"] == best64 and sel["by_budget"][0]["vs_streaming"]["n_traces"] == 1
+    assert cal.selected_for(48)["policy"] == sel["by_budget"][0]["policy"]
     assert (files[0].parent / doc["query_stats"]).is_file()
     assert cal.selected["policy"] == sel["chosen"]["policy"] and cal.query_stats
     r6 = subprocess.run(CLI + gen + ["--policy", "calibrated"], capture_output=True, text=True, env=env, timeout=300)
     assert r6.returncode == 0, r6.stderr
-    assert json.loads(r6.stdout.strip().splitlines()[-1])["policy"] == sel["chosen"]["policy"]
+    assert json.loads(r6.stdout.strip().splitlines()[-1])["policy"] == sel["by_budget"][0]["policy"]
     # triattention takes the model's offline query statistics (no query capture at run time)
     code = ("import sys; from epikv_local.api.calibration import resolve_policy; from epikv_local.policies import "
             "ModelShape; p = resolve_policy('triattention', sys.argv[1]).policy; print(p.query_stats); "

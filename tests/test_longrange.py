@@ -233,3 +233,28 @@ def test_bench_collapse_quick(model_path, tmp_path):
         assert r["seed"] == 0 and r["max_live"] <= (64 if r["policy"] == "streaming" else 10**6)
     ev = next(s for s in doc["summary"] if s["policy"] == "streaming")
     assert set(C.COLLAPSE_METRICS) <= set(ev["paired_vs_none"])
+
+    # a second part with the model's (shipped) calibration, on the same prompt: merged, the full cache kept once
+    # and the pairs recomputed; a part on another prompt (--skip-prompts) is refused
+    assert mod.main(["--n-prompts", "1", "--max-tokens", "24", "--budgets", "64", "--policies", "random",
+                     "--calibration", "auto", "--name", "cal", "--out", str(tmp_path), "--bootstrap", "50"]) == 0
+    cal = json.loads((tmp_path / "collapse_cal.json").read_text())
+    sel = cal["settings"]["calibration"]["selected_by_budget"]
+    runs = {(r["policy"], r["kv_budget"]): r for r in cal["rows"]}
+    assert set(runs) == {("none", None), ("random", 64), ("epikv_calibrated", 64), ("calibrated", 64)}
+    if sel:  # the calibrated run used the choice for budget 64 and its recent share
+        assert runs[("calibrated", 64)]["recent_fraction"] == sel["64"]["recent_fraction"]
+    assert runs[("none", None)]["tokens"] == doc["rows"][0]["tokens"]  # same prompt and seed: same generation
+    assert mod.main(["--merge", f"{tmp_path / 'collapse_quick.json'},{tmp_path / 'collapse_cal.json'}",
+                     "--name", "both", "--out", str(tmp_path), "--bootstrap", "50"]) == 0
+    both = json.loads((tmp_path / "collapse_both.json").read_text())
+    assert sorted((r["policy"], r["kv_budget"] or 0) for r in both["rows"]) == sorted(
+        [("none", 0), ("streaming", 64), ("random", 64), ("epikv_calibrated", 64), ("calibrated", 64)])
+    assert {s["policy"] for s in both["summary"]} == {"none", "streaming", "random", "epikv_calibrated", "calibrated"}
+    assert mod.main(["--n-prompts", "1", "--skip-prompts", "1", "--max-tokens", "24", "--budgets", "64",
+                     "--policies", "streaming", "--name", "other", "--out", str(tmp_path), "--bootstrap", "50"]) == 0
+    other = json.loads((tmp_path / "collapse_other.json").read_text())
+    assert other["settings"]["prompt_ids"] != doc["settings"]["prompt_ids"]
+    assert mod.main(["--merge", f"{tmp_path / 'collapse_quick.json'},{tmp_path / 'collapse_other.json'}",
+                     "--name", "bad", "--out", str(tmp_path)]) == 2
+    assert not (tmp_path / "collapse_bad.json").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,17 @@ class CalibrationResult:
     selected: dict | None = field(default=None, compare=False)
     #: absolute path of the model's pre-RoPE query statistics (.npz), or None
     query_stats: str | None = None
+    #: step 3 per budget: ((kv_budget, selection like ``selected``), ...) sorted by budget; empty for a
+    #: calibration made before per-budget choices (then ``selected`` serves every budget)
+    selected_by_budget: tuple = field(default=(), compare=False)
+
+    def selected_for(self, kv_budget: int | None = None) -> dict | None:
+        """Step 3's choice for a KV budget (cells): the per-budget choice of the calibrated budget nearest on a
+        log scale (ties: the larger one; below/above the calibrated range: the end's choice), or ``selected``
+        when the budget is unknown or there are no per-budget choices. None without step 3."""
+        if kv_budget is None or not self.selected_by_budget or kv_budget <= 0:
+            return self.selected
+        return min(self.selected_by_budget, key=lambda e: (abs(math.log(kv_budget / e[0])), -e[0]))[1]
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -104,26 +116,38 @@ def load_file(path: str | os.PathLike) -> CalibrationResult:
         ch = d["chosen"]
         here = Path(path).resolve().parent
         qs = str(here / d["query_stats"]) if d.get("query_stats") else None
-        sel = d.get("selected")
-        if sel is not None:
-            sel = dict(sel["chosen"])
-            opts = dict(sel["options"])
-            if opts.get("query_stats"):
-                opts["query_stats"] = str(here / opts["query_stats"])
-            if isinstance(opts.get("layers"), list):
-                opts["layers"] = tuple(opts["layers"])
-            sel["options"] = opts
-            policy_spec(sel["policy"])  # a name this version knows
+        step3 = d.get("selected")
+        sel, by_budget = None, ()
+        if step3 is not None:
+            sel = _selection(step3["chosen"], here)
+            by_budget = tuple(sorted((int(e["kv_budget"]), _selection(e, here)) for e in step3.get("by_budget", ())))
+            if any(b <= 0 for b, _ in by_budget):
+                raise ValueError("a per-budget choice has a budget <= 0")
         return CalibrationResult(
             model_sha256=d["model_sha256"], arch=d["arch"], n_layer=int(d["n_layer"]), layer_a=int(ch["layer_a"]),
             layer_b=None if ch["layer_b"] is None else int(ch["layer_b"]), window=int(ch["window"]),
             recent_fraction=float(ch["recent_fraction"]), delta_nll=float(d["chosen_delta_nll"]),
             baseline_delta_nll=float(d["baseline_delta_nll"]), path=str(path),
-            extra={k: d.get(k) for k in ("created", "cost_seconds", "traces")}, selected=sel, query_stats=qs)
+            extra={k: d.get(k) for k in ("created", "cost_seconds", "traces")}, selected=sel, query_stats=qs,
+            selected_by_budget=by_budget)
     except OSError as e:
         raise DataError(f"cannot read calibration {path}: {e.strerror or e}") from None
     except (ValueError, KeyError, TypeError, ConfigError) as e:
         raise DataError(f"calibration {path} is malformed ({type(e).__name__}: {e})") from None
+
+
+def _selection(entry: dict, here: Path) -> dict:
+    """One step-3 choice as stored -> as run: the query statistics' path made absolute, layers a tuple."""
+    sel = dict(entry)
+    opts = dict(sel["options"])
+    if opts.get("query_stats"):
+        opts["query_stats"] = str(here / opts["query_stats"])
+    if isinstance(opts.get("layers"), list):
+        opts["layers"] = tuple(opts["layers"])
+    sel["options"] = opts
+    sel["recent_fraction"] = float(sel["recent_fraction"])
+    policy_spec(sel["policy"])  # a name this version knows
+    return sel
 
 
 def load_for_model(model_path: str | os.PathLike) -> CalibrationResult | None:
@@ -147,12 +171,14 @@ class ResolvedPolicy:
 
 
 def resolve_policy(name: str, model_path: str | os.PathLike | None, options: dict | None = None,
-                   use_calibration: bool = True) -> ResolvedPolicy:
+                   use_calibration: bool = True, kv_budget: int | None = None) -> ResolvedPolicy:
     """Configure policy ``name`` for a model file.
 
     options: settings given by the user (None values are ignored); a setting the policy lacks is a
     ConfigError. A calibratable policy whose calibrated settings were not given takes the model's calibration
     (and its recent share) when one exists; otherwise the policy's documented defaults apply.
+    kv_budget: the KV budget (cells) it will run at; ``calibrated`` then takes step 3's choice for that budget
+    (:meth:`CalibrationResult.selected_for`), else the overall choice.
     """
     spec = policy_spec(name)
     opts = {k: v for k, v in (options or {}).items() if v is not None}
@@ -163,7 +189,7 @@ def resolve_policy(name: str, model_path: str | os.PathLike | None, options: dic
                               + ("no model file given" if model_path is None else
                                  f"{Path(model_path).name} has no calibration with a selected policy")
                               + "; run `epikv-local calibrate --model MODEL` first")
-        sel = cal.selected
+        sel = cal.selected_for(kv_budget)
         policy = make_policy(sel["policy"], **{**sel["options"], **opts})
         return ResolvedPolicy(policy, float(sel["recent_fraction"]), cal)
     cal = None

@@ -109,7 +109,8 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--stop takes a non-empty string")
     model_path = default_model_path() if args.cmd == "demo" else check_gguf(args.model)
     prompt = DEMO_PROMPT if args.cmd == "demo" else args.prompt
-    resolved = resolve_policy(args.policy, model_path, {"layers": args.layers, "window": args.window})
+    resolved = resolve_policy(args.policy, model_path, {"layers": args.layers, "window": args.window},
+                              kv_budget=args.kv_budget)
     budget = BudgetConfig(kv_budget=args.kv_budget, n_sink=args.n_sink, n_recent=args.n_recent,
                           recent_fraction=resolved.recent_fraction, protect_prompt=not args.no_protect_prompt,
                           evict_chunk=args.evict_chunk)
@@ -125,7 +126,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.html:  # checks the output path and the comparison policy before anything runs
         from .tokenview import PageBuilder, page_meta
 
-        view = PageBuilder(args.html, args.html_compare, model_path, scfg)
+        view = PageBuilder(args.html, args.html_compare, model_path, scfg, kv_budget=args.kv_budget)
     nat = load(verbose=args.verbose)
     with Model(model_path, n_gpu_layers=args.n_gpu_layers, native=nat, rpc_servers=args.rpc) as model:
         text = apply_chat_template(model, prompt, system=args.system) if args.chat else prompt

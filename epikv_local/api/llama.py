@@ -159,7 +159,7 @@ class Llama(Closing):
         self._call_evicted = 0
         self._last_rendered = ""
         resolved = resolve_policy(kv_policy, model_path if Path(model_path).is_file() else None,
-                                  kv_policy_settings)
+                                  kv_policy_settings, kv_budget=kv_budget)
         budget = BudgetConfig(kv_budget=kv_budget, n_sink=n_sink, n_recent=n_recent,
                               recent_fraction=resolved.recent_fraction if recent_fraction is None else recent_fraction,
                               protect_prompt=protect_prompt, evict_chunk=evict_chunk)

@@ -541,11 +541,12 @@ class PageBuilder:
     comparison policy) is checked in the constructor, before anything is generated."""
 
     def __init__(self, out: str | os.PathLike, compare: str | None = None,
-                 model_path: str | os.PathLike | None = None, cfg: SessionConfig | None = None):
+                 model_path: str | os.PathLike | None = None, cfg: SessionConfig | None = None,
+                 kv_budget: int | None = None):
         from .calibration import resolve_policy
 
         self.out = check_output_path(out)
-        self.compare = resolve_policy(compare, model_path) if compare else None
+        self.compare = resolve_policy(compare, model_path, kv_budget=kv_budget) if compare else None
         if self.compare is not None:
             check_policy(self.compare.policy, cfg or SessionConfig())
         self.compare_name = compare
@@ -607,7 +608,7 @@ def token_view(model_path: str | os.PathLike | None, prompt: str, policies: Sequ
         check_output_path(out)
     path = default_model_path() if model_path is None else check_gguf(model_path)
     cfg = session_cfg or SessionConfig()
-    resolved = [resolve_policy(name, path) for name in policies]
+    resolved = [resolve_policy(name, path, kv_budget=kv_budget) for name in policies]
     for r in resolved:
         check_policy(r.policy, cfg)
     runs = []

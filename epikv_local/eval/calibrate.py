@@ -11,7 +11,9 @@ Procedure (dev traces only; see docs/calibration.md, section "Calibration"):
    {0.25, 0.5, 0.75} at the best layers and window. ``full_grid=True`` searches the Cartesian product instead.
 3. (``signals=True``) pre-RoPE query statistics of the dev traces for TriAttention, then the choice among the
    signals (:mod:`.signals`): streaming, EPIKV as chosen in 2, key-based rivals and EPIKV-mix, by the mean of
-   all-token and key-token ΔNLL; what ``--policy calibrated`` runs.
+   all-token and key-token ΔNLL, overall and per budget (``Grid.signal_budgets`` on traces of
+   ``Grid.signal_max_tokens``: 128-1024 on 1,536 tokens by default, step 2's in the fast profile); what
+   ``--policy calibrated`` runs.
 
 The result is written as JSON to ``<cache>/calibration/<sha256 of the model file>.json`` (cache dir:
 ``$EPIKV_CACHE_DIR`` or ``~/.cache/epikv-local``) and read back by :func:`load_for_model`. Layers are stored as
@@ -100,6 +102,9 @@ class Grid:
     label_horizon: int = 32
     label_batch: int = 1
     fast_signals: bool = False   # step 3 with the reduced candidate list (signals.candidates(fast=True))
+    #: step 3's budgets and trace length (None: step 2's): roomy budgets need longer traces to be evaluated
+    signal_budgets: tuple[int, ...] | None = (128, 256, 512, 1024)
+    signal_max_tokens: int | None = 1536
     label_stride: int = 16
     anatomy_window: int = ScoringConfig.window  # rolling z-score window of the layer ranking
 
@@ -109,9 +114,10 @@ class Grid:
 #: the docs), 2 x 2 band candidates, the window fixed at 128, 2 traces of 512 tokens
 FAST_GRID = Grid(budgets=(128, 256), windows=(128,), recent=(0.5, 0.75), n_pos=2, n_neg=2, n_traces=2,
                  max_tokens=512, chunk=16, label_traces=1, label_horizon=8, label_stride=16, label_batch=8,
-                 fast_signals=True)
+                 fast_signals=True, signal_budgets=None, signal_max_tokens=None)
 QUICK_GRID = Grid(budgets=(64,), windows=(64,), recent=(0.5,), n_pos=2, n_neg=1, n_traces=1, max_tokens=160,
-                  chunk=16, label_traces=1, label_horizon=8, label_stride=8, fast_signals=True)
+                  chunk=16, label_traces=1, label_horizon=8, label_stride=8, fast_signals=True,
+                  signal_budgets=None, signal_max_tokens=None)
 
 
 def _key(cfg: ScoringConfig, rf: float) -> tuple:
@@ -234,18 +240,35 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
                 qs_name = qs_path.name
             else:
                 log(f"RoPE type {model.info.shape.rope_type!r}: no TriAttention candidates")
-            selected = select_policy(model, traces, refs, budgets, grid.chunk, grid.n_sink, epikv_opts,
+            s_traces, s_refs, s_budgets = traces, refs, budgets
+            s_max = grid.signal_max_tokens or grid.max_tokens
+            s_want = [b for b in (grid.signal_budgets or grid.budgets) if b < s_max - 1]
+            if s_max != grid.max_tokens or s_want != budgets:
+                longer = load_traces(traces_path, model, s_max, n_traces=grid.n_traces, min_tokens=s_max,
+                                     interleave_sources=True)
+                if len(longer) == grid.n_traces and s_want:
+                    s_traces, s_budgets = longer, s_want
+                    s_refs = [reference_pass(model, toks, grid.chunk, True, eval_start=min(s_budgets),
+                                             n_threads=n_threads) for _, toks in s_traces]
+                else:  # short dev traces: step 2's traces and budgets, said so
+                    log(f"signals: fewer than {grid.n_traces} traces of {s_max} tokens; budgets {budgets} on "
+                        f"{grid.max_tokens} tokens instead")
+            log(f"signals: {len(s_traces)} traces x {len(s_traces[0][1])} tokens, budgets {s_budgets}")
+            selected = select_policy(model, s_traces, s_refs, s_budgets, grid.chunk, grid.n_sink, epikv_opts,
                                      best["recent_fraction"], str(qs_path) if qs_path else None,
                                      n_threads=n_threads, log=log, fast=grid.fast_signals)
             if selected["chosen"]["options"].get("query_stats"):  # stored relative to the calibration file
                 selected["chosen"]["options"]["query_stats"] = qs_name
-            for c in selected["candidates"]:
+            for c in selected["candidates"] + selected["by_budget"]:
                 if c["options"].get("query_stats"):
                     c["options"]["query_stats"] = qs_name
             t_signals = time.perf_counter() - t0
             ch = selected["chosen"]
             log(f"signals: chose {ch['policy']} (recent {ch['recent_fraction']}): objective {ch['objective']:+.4f}; "
                 f"streaming {next(c['objective'] for c in selected['candidates'] if c['policy'] == 'streaming'):+.4f}")
+            for e in selected["by_budget"]:
+                log(f"signals: at budget {e['kv_budget']}: {e['policy']} (recent {e['recent_fraction']}), "
+                    f"objective {e['objective']:+.4f}")
     cost = time.perf_counter() - t_start
     doc = {
         "version": CALIBRATION_VERSION, "model_sha256": sha, "model_file": model_path.name, "arch": arch,

@@ -146,14 +146,16 @@ def math_prompt(problem: str) -> str:
     return problem.strip() + PROMPT_SUFFIX
 
 
-def load_problems(path: str | Path, n: int) -> list[dict]:
-    """The first ``n`` records of a MATH-500 / AIME JSONL file with a ``problem`` (``id`` from ``unique_id``,
-    ``id`` or the line number; ``answer`` when present)."""
+def load_problems(path: str | Path, n: int, skip: int = 0) -> list[dict]:
+    """``n`` records of a MATH-500 / AIME JSONL file with a ``problem``, after the first ``skip`` (``id`` from
+    ``unique_id``, ``id`` or the line number; ``answer`` when present)."""
     from ..errors import DataError
     from .io import read_jsonl
 
     out = []
-    for lineno, rec in read_jsonl(Path(path), "problem file"):
+    for i, (lineno, rec) in enumerate(read_jsonl(Path(path), "problem file")):
+        if i < skip:
+            continue
         if len(out) >= n:
             break
         if not str(rec.get("problem", "")).strip():
@@ -163,11 +165,11 @@ def load_problems(path: str | Path, n: int) -> list[dict]:
     return out
 
 
-def generate_one(model, prompt_tokens: list[int], policy: str, kv_budget: int | None, max_tokens: int, seed: int,
+def generate_one(model, prompt_tokens: list[int], policy, kv_budget: int | None, max_tokens: int, seed: int,
                  temperature: float = 0.6, top_p: float = 0.95, n_sink: int = 4, recent_fraction: float = 0.5,
                  chunk: int = 16, n_threads: int | None = None) -> dict:
     """One sampled generation under ``policy`` at ``kv_budget`` (policy ``none``: the full cache, budget = prompt
-    + max_tokens), prompt not protected (a MATH prompt does not fit the tight budgets). Stops at the model's end
+    + max_tokens; a registered name or a PolicySpec, e.g. a calibration's choice), prompt not protected (a MATH prompt does not fit the tight budgets). Stops at the model's end
     of generation or ``max_tokens``. Returns the text, tokens, stop reason and the session's figures."""
     from ..api.generation import generate
     from ..api.sampling import SamplingConfig

@@ -81,6 +81,12 @@ def run_calibrate_cmd(args: argparse.Namespace) -> int:
     print(json.dumps({"path": res.path, "layer_a": res.layer_a, "layer_b": res.layer_b, "window": res.window,
                       "recent_fraction": res.recent_fraction, "delta_nll": res.delta_nll,
                       "baseline_delta_nll": res.baseline_delta_nll,
-                      "selected": None if res.selected is None else
-                      {k: res.selected[k] for k in ("policy", "options", "recent_fraction", "objective")}}))
+                      "selected": None if res.selected is None else _brief(res.selected),
+                      "selected_by_budget": {str(b): _brief(sel) for b, sel in res.selected_by_budget}},
+                     default=str))
     return 0
+
+
+def _brief(sel: dict) -> dict:
+    """A step-3 choice as the command prints it."""
+    return {k: sel.get(k) for k in ("policy", "options", "recent_fraction", "objective")}

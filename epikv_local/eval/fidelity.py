@@ -349,8 +349,12 @@ def evaluate_trace(model: Model, tokens: list[int], policies: "list[str | Policy
                    n_threads: int | None = None,
                    progress: Callable[[str], None] | None = None, answer=None,
                    key_window: int | None = lr.KEY_WINDOW, key_threshold: float = lr.KEY_THRESHOLD,
-                   window_nll: np.ndarray | None = None, keep_positions: bool = False) -> list[dict]:
+                   window_nll: np.ndarray | None = None, keep_positions: bool = False,
+                   runs: "list[tuple[str | PolicySpec, int, float]] | None" = None) -> list[dict]:
     """All policy x budget rows of one trace (budgets >= len(tokens) - 1 evaluate nothing and are skipped).
+
+    runs: an explicit plan of (policy, budget, recent share) instead of ``policies`` x ``budgets`` at
+    ``recent_fraction`` (e.g. a calibration whose choice depends on the budget); the references are shared.
 
     Policies that read attention run with flash attention off against a flash-off reference; the others use
     ``flash_attn``. Only one reference is held at a time (grouped by flash-attention setting).
@@ -361,13 +365,16 @@ def evaluate_trace(model: Model, tokens: list[int], policies: "list[str | Policy
     that reference) serves every pass. window_nll: that pass's result when already computed
     ((len(tokens) - 1 - min(budgets),) positions ``min(budgets) ..``). keep_positions: see :func:`compare_pass`.
     """
-    budgets = [b for b in budgets if b < len(tokens) - 1]
-    if not budgets or not policies:
+    if runs is None:
+        runs = [(name, b, recent_fraction) for name in policies for b in budgets]
+    runs = [r for r in runs if r[1] < len(tokens) - 1]
+    if not runs:
         return []
-    groups: dict[bool, list[str]] = {}
-    for name in policies:
-        fa = flash_attn and not policy_spec(name).cls.needs_attention
-        groups.setdefault(fa, []).append(name)
+    budgets = sorted({b for _, b, _ in runs})
+    groups: dict[bool, list[tuple]] = {}
+    for run in runs:
+        fa = flash_attn and not policy_spec(run[0]).cls.needs_attention
+        groups.setdefault(fa, []).append(run)
     n_trace = len(tokens)
     suffix = answer_suffix(model, answer) if answer is not None else None
     full = list(tokens) + (suffix.tokens if suffix else [])
@@ -388,21 +395,19 @@ def evaluate_trace(model: Model, tokens: list[int], policies: "list[str | Policy
             if progress:
                 progress(f"local window {key_window}: {len(spans.key_positions)} key positions of "
                          f"{n_trace - 1 - ref.eval_start} ({spans.window_seconds:.1f}s)")
-        for name in groups[fa]:
-            for b in budgets:
-                budget = BudgetConfig(kv_budget=b, n_sink=n_sink, recent_fraction=recent_fraction,
-                                      protect_prompt=False)
-                row = compare_pass(model, full, ref, name, budget, chunk, n_threads=n_threads, spans=spans,
-                                   keep_positions=keep_positions)
-                row.update({"chunk": chunk, "n_sink": n_sink, "n_recent": budget.recent,
-                            "recent_fraction": recent_fraction})
-                rows.append(row)
-                if progress:
-                    extra = "".join(f" {lab}={row[k]:+.4f}" for lab, k in (("key", "key_delta_nll"),
-                                                                           ("ans", "answer_delta_nll"))
-                                    if row.get(k) is not None)
-                    progress(f"{policy_spec(name).name} @ {b}: dNLL={row['delta_nll']:+.4f} top1={row['top1_agreement']:.3f} "
-                             f"KL={row['kl']:.4f}{extra} ({row['seconds']:.1f}s)")
+        for name, b, rf in groups[fa]:
+            budget = BudgetConfig(kv_budget=b, n_sink=n_sink, recent_fraction=rf, protect_prompt=False)
+            row = compare_pass(model, full, ref, name, budget, chunk, n_threads=n_threads, spans=spans,
+                               keep_positions=keep_positions)
+            row.update({"chunk": chunk, "n_sink": n_sink, "n_recent": budget.recent,
+                        "recent_fraction": rf})
+            rows.append(row)
+            if progress:
+                extra = "".join(f" {lab}={row[k]:+.4f}" for lab, k in (("key", "key_delta_nll"),
+                                                                       ("ans", "answer_delta_nll"))
+                                if row.get(k) is not None)
+                progress(f"{policy_spec(name).name} @ {b}: dNLL={row['delta_nll']:+.4f} top1={row['top1_agreement']:.3f} "
+                         f"KL={row['kl']:.4f}{extra} ({row['seconds']:.1f}s)")
         del ref
     return rows
 
