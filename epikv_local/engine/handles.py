@@ -22,7 +22,6 @@ from ..errors import ConfigError, KVFullError, ModelError, NativeError
 from ..policies.base import ModelShape
 from .native import (
     CAPTURE_K,
-    CAPTURE_Q,
     CAPTURE_OUT,
     DECODE_NO_KV_SLOT,
     LAYER_CAPTURE_BAD_LAYER,
@@ -547,10 +546,6 @@ class Context(_Owned):
     def layer_keys(self, il: int, n_tokens: int) -> np.ndarray | None:
         """Keys after RoPE of layer il for the last decode: (n_tokens, n_head_kv * head_dim) float32 view."""
         return self.layer_capture(il, n_tokens, CAPTURE_K)
-
-    def layer_queries(self, il: int, n_tokens: int) -> np.ndarray | None:
-        """Queries after RoPE of layer il for the last decode: (n_tokens, n_head * head_dim) float32 view."""
-        return self.layer_capture(il, n_tokens, CAPTURE_Q)
 
     def cell_positions(self, seq_id: int = 0) -> np.ndarray:
         """Position held by each KV cell for seq_id, -1 for cells not holding it: (n_cells,) int32."""

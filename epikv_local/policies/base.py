@@ -160,6 +160,15 @@ class PositionScores:
         return np.array(self.values[positions], dtype=np.float64)
 
 
+def check_float(owner: str, name: str, value, lo: float, hi: float = float("inf"), hi_open: bool = False,
+                what: str = "a number") -> None:
+    """ConfigError unless ``value`` is a finite real (not a bool) in [lo, hi] ([lo, hi) with ``hi_open``)."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    if not ok or not np.isfinite(value) or value < lo or value > hi or (hi_open and value == hi):
+        rng = f">= {lo:g}" if hi == float("inf") else f"in [{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise ConfigError(f"{owner}: {name} must be {what} {rng}, got {value!r}")
+
+
 def check_int(owner: str, name: str, value, lo: int, hi: int | None = None) -> None:
     """ConfigError unless ``value`` is an int in [lo, hi] (hi None: unbounded)."""
     ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

@@ -23,7 +23,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import ConfigError
-from .base import ModelShape, Observation, Policy, Signals
+from .base import ModelShape, Observation, Policy, Signals, check_float
 from .epikv import EpikvPolicy
 from .keydiff import KeyDiffPolicy
 from .triattention import TriAttentionPolicy
@@ -52,9 +52,7 @@ class EpikvMixPolicy(Policy):
 
     def __post_init__(self):
         for w in ("w_epikv", "w_keydiff", "w_triattention"):
-            v = getattr(self, w)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
-                raise ConfigError(f"epikv_mix: {w} must be a finite number >= 0, got {v!r}")
+            check_float("epikv_mix", w, getattr(self, w), 0.0)
         if self.w_epikv + self.w_keydiff + self.w_triattention <= 0:
             raise ConfigError("epikv_mix: at least one weight must be > 0")
         parts: dict[str, Policy] = {}

@@ -24,10 +24,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..errors import ConfigError
 from ._attn import per_position
 from ._keys import KeyLayers, PositionRows, obs_keys
-from .base import ModelShape, Observation, Policy, Signals, check_int
+from .base import ModelShape, Observation, Policy, Signals, check_float, check_int
 
 _EPS = 1e-12
 
@@ -45,9 +44,7 @@ class RKVRedundancyPolicy(KeyLayers, Policy):
 
     def __post_init__(self):
         self.check_key_layers()
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
-                or not -1.0 <= float(self.threshold) < 1.0:
-            raise ConfigError(f"{self.name}: threshold must be a cosine in [-1, 1), got {self.threshold!r}")
+        check_float(self.name, "threshold", self.threshold, -1.0, 1.0, hi_open=True, what="a cosine")
         self._n_kv = 1
         super().__post_init__()
 
@@ -86,8 +83,7 @@ class RKVPolicy(RKVRedundancyPolicy):
     window: int = 16
 
     def __post_init__(self):
-        if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)) or not 0.0 <= self.lam <= 1.0:
-            raise ConfigError(f"rkv: lam must be in [0, 1], got {self.lam!r}")
+        check_float("rkv", "lam", self.lam, 0.0, 1.0)
         check_int("rkv", "window", self.window, 1)
         super().__post_init__()
 
