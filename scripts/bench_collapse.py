@@ -254,9 +254,14 @@ def merge(args) -> int:
         if not part.is_file():
             raise DataError(f"--merge: {part} not found")
         try:
-            docs.append(json.loads(part.read_text()))
+            d = json.loads(part.read_text())
         except ValueError as e:
             raise DataError(f"--merge: {part} is not JSON ({e})") from None
+        if not (isinstance(d, dict) and isinstance(d.get("settings"), dict) and isinstance(d.get("rows"), list)
+                and all(isinstance(r, dict) and {"prompt_id", "policy", "kv_budget", "tokens"} <= set(r)
+                        for r in d["rows"])):
+            raise DataError(f"--merge: {part} is not a bench_collapse result (settings and rows)")
+        docs.append(d)
     for part, d in zip(parts[1:], docs[1:]):
         diff = [k for k in MERGE_KEYS if d["settings"].get(k) != docs[0]["settings"].get(k)]
         if diff:

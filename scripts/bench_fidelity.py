@@ -498,11 +498,20 @@ def merge(args) -> int:
     parts = [Path(x) for x in args.merge.split(",") if x.strip()]
     rows, docs = [], []
     for part in parts:
-        rows += [r for _, r in read_jsonl(part, "fidelity rows")]
+        part_rows = [r for _, r in read_jsonl(part, "fidelity rows")]
+        if not all({"trace_id", "policy", "kv_budget"} <= set(r) for r in part_rows):
+            raise DataError(f"--merge: {part} is not bench_fidelity rows (trace_id, policy, kv_budget)")
+        rows += part_rows
         sp = part.with_name(part.stem + "_summary.json")
         if not sp.is_file():
             raise DataError(f"--merge: {part} has no summary file {sp.name} beside it")
-        docs.append(json.loads(sp.read_text()))
+        try:
+            d = json.loads(sp.read_text())
+        except ValueError as e:
+            raise DataError(f"--merge: {sp} is not JSON ({e})") from None
+        if not (isinstance(d, dict) and isinstance(d.get("settings"), dict)):
+            raise DataError(f"--merge: {sp} is not a bench_fidelity summary (no settings)")
+        docs.append(d)
     keys = ("source", "max_tokens", "budgets", "chunk", "n_sink", "key_window", "key_threshold", "answer_span")
     for d in docs[1:]:
         diff = [k for k in keys if d["settings"].get(k) != docs[0]["settings"].get(k)]
