@@ -250,14 +250,11 @@ def merge(args) -> int:
     if len(parts) < 2:
         raise ConfigError("--merge needs two or more result files, comma-separated")
     docs = []
+    from bench_fidelity import read_result_doc
+
     for part in parts:
-        if not part.is_file():
-            raise DataError(f"--merge: {part} not found")
-        try:
-            d = json.loads(part.read_text())
-        except ValueError as e:
-            raise DataError(f"--merge: {part} is not JSON ({e})") from None
-        if not (isinstance(d, dict) and isinstance(d.get("settings"), dict) and isinstance(d.get("rows"), list)
+        d = read_result_doc(part, "a bench_collapse result")
+        if not (isinstance(d.get("rows"), list)
                 and all(isinstance(r, dict) and {"prompt_id", "policy", "kv_budget", "tokens"} <= set(r)
                         for r in d["rows"])):
             raise DataError(f"--merge: {part} is not a bench_collapse result (settings and rows)")

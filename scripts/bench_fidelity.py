@@ -488,6 +488,19 @@ def run(args) -> int:
     return 0
 
 
+def read_result_doc(path: Path, what: str) -> dict:
+    """A result document for ``--merge``: a JSON object with a ``settings`` object (DataError otherwise)."""
+    if not path.is_file():
+        raise DataError(f"--merge: {path} not found")
+    try:
+        d = json.loads(path.read_text())
+    except ValueError as e:
+        raise DataError(f"--merge: {path} is not JSON ({e})") from None
+    if not (isinstance(d, dict) and isinstance(d.get("settings"), dict)):
+        raise DataError(f"--merge: {path} is not {what} (no settings)")
+    return d
+
+
 def merge(args) -> int:
     """``--merge A.jsonl,B.jsonl``: one result from runs made in parts (e.g. the registered policies, then the
     calibrated ones once the calibration exists): the rows concatenated, the summary (paired comparisons
@@ -505,13 +518,7 @@ def merge(args) -> int:
         sp = part.with_name(part.stem + "_summary.json")
         if not sp.is_file():
             raise DataError(f"--merge: {part} has no summary file {sp.name} beside it")
-        try:
-            d = json.loads(sp.read_text())
-        except ValueError as e:
-            raise DataError(f"--merge: {sp} is not JSON ({e})") from None
-        if not (isinstance(d, dict) and isinstance(d.get("settings"), dict)):
-            raise DataError(f"--merge: {sp} is not a bench_fidelity summary (no settings)")
-        docs.append(d)
+        docs.append(read_result_doc(sp, "a bench_fidelity summary"))
     keys = ("source", "max_tokens", "budgets", "chunk", "n_sink", "key_window", "key_threshold", "answer_span")
     for d in docs[1:]:
         diff = [k for k in keys if d["settings"].get(k) != docs[0]["settings"].get(k)]
