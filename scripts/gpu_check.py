@@ -37,7 +37,7 @@ Both modes, on random-weight models made by ``scripts/make_random_model.py``:
   doubling lengths up to ``--max-context``) until the variant's time cap, its cache (plain) or the run's
   deadline: the longest context each variant reaches, and why it stopped. Plain gets one session per context
   with a cache of exactly that size, then one sized for ``--max-context`` for the search;
-* GPU mode, with the time left: ``tests/test_native.py`` itself, on a SmolLM2-shaped random model.
+* GPU mode, with the time left: ``tests/engine/test_native.py`` itself, on a SmolLM2-shaped random model.
 
 Result: ``<out>/gpu_check.json`` (written after every stage, so a run cut short still leaves its results).
 Exit status: 0 when every check passed and every stage ran; 1 when a check or a stage failed (the JSON says
@@ -86,7 +86,7 @@ GGML_BACKENDS = ("ggml-cpu", "ggml-cuda", "ggml-rpc")  # ggml/src/<backend> kept
 CUDA_ARGS = ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_CUDA_FA_QUANTS=f16-f16",
              "-DGGML_CUDA_COMPRESSION_MODE=none", "-DGGML_CUDA_NCCL=OFF")
 BUILD_TARGETS = ("llama", "epikv_capture")  # ggml, ggml-base and the backends (cpu, cuda, rpc) come with them
-PYTEST_MAX_S = 120.0  # GPU mode: tests/test_native.py runs while the 8B model is quantized, at most this long ...
+PYTEST_MAX_S = 120.0  # GPU mode: tests/engine/test_native.py runs while the 8B model is quantized, at most this long ...
 MEASURE_RESERVE_S = 150.0  # ... and only if this much time is left for the measurements afterwards
 
 VARIANTS = {  # name -> (registered policy, flash attention)
@@ -800,7 +800,7 @@ def native_checks(path: Path, on_gpu: bool, threads: int | None) -> dict:
 
 
 def native_pytest(check_model: Path, boot: Bootstrap, timeout: float) -> dict:
-    """tests/test_native.py, with the check model where the suite looks for its default model."""
+    """tests/engine/test_native.py, with the check model where the suite looks for its default model."""
     from epikv_local.api.models import MEMBER
 
     cache = boot.work / "pytest-cache"
@@ -814,7 +814,7 @@ def native_pytest(check_model: Path, boot: Bootstrap, timeout: float) -> dict:
     log_path = boot.logs / "pytest.log"
     t0 = time.perf_counter()
     try:
-        rc = run_cmd([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_native.py"],
+        rc = run_cmd([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/test_native.py"],
                      log_path, env, timeout, cwd=ROOT).returncode
     except subprocess.TimeoutExpired:
         rc = None
@@ -1271,13 +1271,13 @@ def run_check(args) -> int:
             if budget_s >= 30:
                 with run.stage("native_pytest"):
                     report["native_pytest"] = native_pytest(check_path, boot, budget_s)
-                    log(f"  tests/test_native.py: {report['native_pytest']['summary']}")
+                    log(f"  tests/engine/test_native.py: {report['native_pytest']['summary']}")
                     run.failed = run.failed or not report["native_pytest"]["passed"]
             else:
                 report["native_pytest"] = {"ran": False, "reason": f"{max(budget_s, 0):.0f} s left for it before "
                                            "the measurements"}
         else:
-            report["native_pytest"] = {"ran": False, "reason": "cpu mode: the test suite runs tests/test_native.py "
+            report["native_pytest"] = {"ran": False, "reason": "cpu mode: the test suite runs tests/engine/test_native.py "
                                        "itself" if args.mode == "cpu" else "--no-native-pytest"}
 
         with run.stage("bench_model"):
@@ -1412,7 +1412,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cuda", dest="cuda", action="store_false",
                     help="gpu mode without CUDA, with --build-only: test the bootstrap and build on a CPU machine")
     ap.add_argument("--build-only", action="store_true", help="gpu mode: stop after the build")
-    ap.add_argument("--no-native-pytest", action="store_true", help="gpu mode: skip tests/test_native.py")
+    ap.add_argument("--no-native-pytest", action="store_true", help="gpu mode: skip tests/engine/test_native.py")
     args = ap.parse_args(argv)
     if args.prepare == bool(args.mode):
         ap.error("give exactly one of --prepare and --mode cpu|gpu")

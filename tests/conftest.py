@@ -38,3 +38,18 @@ def dev_traces() -> list[dict]:
     if not path.is_file():
         pytest.fail(f"shared data missing: {path}")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+#: fixtures that load the real model (or the native library): a test that uses one is marked ``model``
+MODEL_FIXTURES = frozenset({"model_path", "nat", "model"})
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "model: needs the real default model or the native library (slow lane); "
+                                       "the fast lane is `pytest -m \"not model\"`")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)

@@ -9,7 +9,6 @@ calibrated settings explicitly, and returns the recent share to use with it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from ..engine.budget import DEFAULT_RECENT_FRACTION
 from ..errors import ConfigError, DataError
+from ..fileio import sha256_file, write_atomic
 from ..policies import Policy, make_policy, policy_spec
 from .models import cache_dir
 
@@ -44,17 +44,10 @@ def model_sha256(path: str | os.PathLike) -> str:
         known = {}
     if key in known:
         return known[key]
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    digest = h.hexdigest()
+    digest = sha256_file(p)
     known[key] = digest
     try:  # a cache: failing to write it costs a re-hash next time, nothing else
-        store.parent.mkdir(parents=True, exist_ok=True)
-        tmp = store.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(store)
+        write_atomic(store, json.dumps(known, indent=1))
     except OSError:
         pass
     return digest

@@ -23,3 +23,14 @@ def tokenize_prompt(model: Model, text: str) -> list[int]:
     bos = model.bos_text()
     add_special = not (bos and text.startswith(bos))
     return model.tokenize(text, add_special=add_special, parse_special=True)
+
+
+def flatten_text_parts(message: dict) -> dict:
+    """A message whose content is a list of text parts (``[{"type": "text", "text": ...}, ...]``), with the texts
+    joined by newlines, as llama-server does for templates that take a string; anything else unchanged (the
+    message check names what is wrong with it)."""
+    content = message.get("content")
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return {**message, "content": "\n".join(p["text"] for p in content)}
+    return message

@@ -32,6 +32,7 @@ from ..engine.session import Session, SessionConfig
 from ..errors import ConfigError, ModelError
 from . import responses as R
 from .calibration import resolve_policy
+from .chat import flatten_text_parts
 from .generation import GenerationStats, fill_session_stats, new_stats, stream_generate
 from .reasoning import FORMATS, ReasoningSplitter, prompt_opens_thinking, split_reasoning
 from .sampling import MAX_SEED, SamplingConfig
@@ -439,8 +440,7 @@ class Llama(Closing):
         with the previous call stays in the cache."""
         check_messages(messages)
         # content given as text parts is joined (as llama-server does): chat templates expect strings
-        messages = [{**m, "content": "\n".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list)
-                    else m for m in messages]
+        messages = [flatten_text_parts(m) for m in messages]
         if response_format is not None and not isinstance(response_format, dict):
             raise ConfigError(f"response_format must be a dict like {{'type': 'text'}}, got {response_format!r}")
         self._refuse(tools=tools or functions, logprobs=logprobs, response_format=response_format is not None

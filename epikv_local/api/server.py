@@ -46,6 +46,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, EpikvError, NativeError, first_line
 from . import responses as R
+from .chat import flatten_text_parts
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -380,16 +381,6 @@ def assemble_completion(chunks: list[dict], stats) -> dict:
             "usage": _usage(stats), R.EXTENSION: ext}
 
 
-def _flatten_text_parts(message: dict) -> dict:
-    """A message whose content is a list of text parts, with the texts joined by newlines (as llama-server does
-    for templates that take a string); anything else unchanged (the Llama checks it)."""
-    content = message.get("content")
-    if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return {**message, "content": "\n".join(p["text"] for p in content)}
-    return message
-
-
 def _json_type(value) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(value), "a number")
@@ -638,7 +629,7 @@ def create_app(llama, *, model_alias: str | None = None, api_key: str | None = N
     @router.post("/v1/chat/completions", dependencies=[Depends(authenticate)])
     async def chat_completions(request: Request, body: ChatRequest):
         kw = llama_kwargs(body, {"messages", "logit_bias"} if body.logit_bias_type == "tokens" else {"messages"})
-        kw["messages"] = [_flatten_text_parts(m) for m in body.messages]
+        kw["messages"] = [flatten_text_parts(m) for m in body.messages]
         bias = body.logit_bias if body.logit_bias_type == "tokens" else None
         job = await start(request, llama.create_chat_completion, kw, bias)
         return await respond(request, job, body.stream, assemble_chat)

@@ -35,6 +35,7 @@ import numpy as np
 from ..engine.budget import BudgetConfig
 from ..engine.handles import Model
 from ..engine.session import Session, SessionConfig
+from .. import fileio
 from ..errors import ConfigError
 from ..policies.base import Policy
 from .generation import GenerationResult, GenerationStats, generate
@@ -512,21 +513,10 @@ def check_output_path(path: str | os.PathLike) -> Path:
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder, renamed into place;
-    ConfigError naming the path when that fails (the folder must exist)."""
-    p = check_output_path(path)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, p)
-    except OSError as e:
-        raise ConfigError(f"cannot write the HTML page {p}: {e.strerror or e}") from None
-    finally:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-    return p
+    """Write ``text`` (UTF-8) to ``path`` atomically (``fileio.write_atomic``); ConfigError naming the path when
+    that fails (the folder must exist)."""
+    return fileio.write_atomic(check_output_path(path), text, error=ConfigError, what="HTML page",
+                               make_parents=False)
 
 
 def write_html(path: str | os.PathLike, runs: Sequence[TokenRun], **kwargs) -> Path:

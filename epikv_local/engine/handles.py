@@ -15,6 +15,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -432,6 +433,35 @@ class Context(_Owned):
             raise KVFullError(f"llama_decode: no KV slot for {n} tokens (n_ctx={self.n_ctx})")
         if rc != 0:
             raise self.nat.error(f"llama_decode failed with code {rc}")
+
+    def prefill_chunks(self, tokens, start: int = 0, chunk: int | None = None, seq_id: int = 0,
+                       logits_from: int | None = None) -> Iterator[np.ndarray]:
+        """Decode ``tokens`` at the dense positions ``start, start + 1, ...`` of ``seq_id`` in chunks of ``chunk``
+        tokens (default and at most ``n_batch``), yielding after each decode the (n,) int64 positions it
+        decoded: the chunk's captured rows and output logits are readable until the next one.
+
+        logits_from: a chunk that reaches a position >= it gets an output row per token (``logits_all``);
+        None: only the final token of the last chunk has one. No eviction happens here: the caller sizes the
+        context (``Session.feed`` is the budgeted path).
+        """
+        chunk = self.n_batch if chunk is None else chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= self.n_batch:
+            raise ConfigError(f"chunk must be an integer in 1..{self.n_batch}, got {chunk!r}")
+        n = len(tokens)
+        for i in range(0, n, chunk):
+            j = min(i + chunk, n)
+            want = logits_from is not None and start + j > logits_from
+            pos = np.arange(start + i, start + j, dtype=np.int64)
+            part = tokens[i:j]
+            self.decode(part.tolist() if isinstance(part, np.ndarray) else list(part), pos,
+                        logits_last=(logits_from is None and j == n), logits_all=want, seq_id=seq_id)
+            yield pos
+
+    def prefill(self, tokens, start: int = 0, chunk: int | None = None, seq_id: int = 0,
+                logits_from: int | None = None) -> None:
+        """:meth:`prefill_chunks` run to the end (nothing read between chunks)."""
+        for _ in self.prefill_chunks(tokens, start, chunk, seq_id, logits_from):
+            pass
 
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits of output row i of the last decode, shape (n_vocab,), float32 (a view; copy to keep)."""

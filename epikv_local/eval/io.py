@@ -1,15 +1,15 @@
-"""Reading JSONL inputs with one clear error per bad line; writing results: JSON with numpy scalars and NaN cleaned, written atomically (no half-written file)."""
+"""Reading JSONL inputs with one clear error per bad line; writing results: JSON with numpy scalars and NaN
+cleaned, written atomically (``write_atomic`` is :func:`epikv_local.fileio.write_atomic`, re-exported)."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Callable
-
 import numpy as np
 
 from ..errors import DataError
+from ..fileio import write_atomic  # noqa: F401  (re-exported for the harness)
 
 
 def to_json(res: dict) -> str:
@@ -30,23 +30,6 @@ def to_json(res: dict) -> str:
         return o
 
     return json.dumps(clean(res), indent=2, default=conv)
-
-
-def write_atomic(path: str | os.PathLike, text: "str | Callable[[Path], None]") -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, renamed into place. ``text`` may
-    be a function that writes the temporary file (binary formats, e.g. ``np.savez``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
-    try:
-        if callable(text):
-            text(tmp)
-        else:
-            tmp.write_text(text)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def read_jsonl(path: str | os.PathLike, what: str = "file") -> list[tuple[int, dict]]:

@@ -87,7 +87,7 @@ def test_readme_python_examples_run(tmp_path, model_path):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     assert len(blocks) >= 2, "README needs the drop-in snippet and the engine example"
     drop_in = blocks[0]

@@ -22,7 +22,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUDGET = 128
 KEY = "sekrit-test-key"
 #: SmolLM2's end-of-generation tokens (<|endoftext|>, <|im_end|>): banned where a generation must run long

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 VARIANTS = {"plain", "epikv", "streaming", "h2o"}
 CHECKS = {"capture_gpu_vs_cpu", "flash_attn_graph", "budget_held", "bit_identical_no_eviction"}

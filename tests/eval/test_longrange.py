@@ -16,7 +16,7 @@ from epikv_local.eval import longrange as lr
 from epikv_local.eval.fidelity import StreamingComparison, position_metrics, summarize
 from epikv_local.eval.stats import bootstrap_ci, log_softmax
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO.parent / "shared" / "data" / "r1_traces_dev.jsonl"
 
 

@@ -13,7 +13,7 @@ from epikv_local.api.calibration import CalibrationResult, load_file, resolve_po
 from epikv_local.policies import ModelShape
 
 CLI = [sys.executable, "-m", "epikv_local.cli"]
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "r1_traces_dev.jsonl"
+TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "r1_traces_dev.jsonl"
 
 
 def test_result_configs():

@@ -17,7 +17,7 @@ from epikv_local.api.llama import Llama, check_messages
 from epikv_local.api.reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
 from epikv_local.errors import BudgetError, ConfigError, EpikvError, ModelError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXT_KEYS = {"policy", "kv_budget", "live_cells", "max_live_cells", "n_evicted", "n_evicted_total", "kv_bytes",
             "n_ctx", "flash_attn", "prompt_tokens_reused", "prompt_tokens_decoded", "decode_tokens_per_s"}
 

@@ -13,7 +13,7 @@ import pytest
 from epikv_local.eval.labels import LabelSettings, label_trace, read_labels
 from epikv_local.eval.stats import nll_rows
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO.parent / "shared" / "data" / "r1_traces_dev.jsonl"
 CLI = [sys.executable, "-m", "epikv_local.cli"]
 SETTINGS = dict(max_tokens=64, horizon=8, stride=8, min_pos=8)

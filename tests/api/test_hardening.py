@@ -28,7 +28,7 @@ from epikv_local.engine.session import Session, SessionConfig
 from epikv_local.errors import BudgetError, ConfigError, EpikvError, NativeError
 from epikv_local.policies import make_policy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "epikv_local.cli"]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: network-free tests of llama-cpp-python 0.3.36 (measured: 8 pass, 18 need the hub)
 MIN_PASSED = 8
 

@@ -19,7 +19,7 @@ import pytest
 from epikv_local.api import terminal as T
 from epikv_local.errors import BudgetError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 READ_TIMEOUT = 120.0  # seconds without any output before a read gives up (generous: slow CI machines)
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\x1b[=>]")
 

@@ -23,7 +23,7 @@ from epikv_local.errors import DataError
 from epikv_local.eval.stats import bootstrap_ci, log_softmax
 from epikv_local.eval.traces import load_traces
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, str(REPO / "scripts" / "bench_fidelity.py")]
 TRACES = REPO.parent / "shared" / "data" / "r1_traces_dev.jsonl"
 
