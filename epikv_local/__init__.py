@@ -26,7 +26,7 @@ _EXPORTS = {
     "Model": "engine.handles", "Session": "engine.session", "SessionConfig": "engine.session",
     "BudgetConfig": "engine.budget", "ScoringConfig": "policies.scoring", "make_policy": "policies",
     "generate": "api.generation", "stream_generate": "api.generation", "generate_step": "api.generation",
-    "SamplingConfig": "api.sampling", "apply_chat_template": "api.chat", "tokenize_prompt": "api.chat",
+    "SamplingConfig": "engine.sampling", "apply_chat_template": "api.chat", "tokenize_prompt": "api.chat",
     "default_model_path": "api.models", "resolve_policy": "api.calibration",
     "EpikvError": "errors", "ConfigError": "errors", "BudgetError": "errors", "ModelError": "errors",
     "NativeError": "errors", "Llama": "api.llama",

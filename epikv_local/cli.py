@@ -1,6 +1,7 @@
 """``epikv-local``: the one command line, composed of the product's commands (:mod:`epikv_local.api.cli`:
-generate, demo, fetch-model) and the evaluation harness's (:mod:`epikv_local.eval.commands`: labels,
-calibrate). This module is the composition root: the only one that sees both sides.
+generate, demo, fetch-model, serve, chat, rpc-server) and the evaluation harness's
+(:mod:`epikv_local.eval.commands`: labels, calibrate). This module is the composition root: the only one that
+sees both sides.
 
 Every expected failure (an :class:`~epikv_local.errors.EpikvError`: bad path, non-GGUF file, unsupported
 architecture, a setting out of range, a budget too small for the protected tokens, ...) prints one line

@@ -1,6 +1,6 @@
 """The package's exceptions: every expected failure is an :class:`EpikvError`.
 
-Front doors (the CLI, the scripts, the coming server) catch ``EpikvError`` only and show its first line;
+Front doors (the CLI, the server, the terminal chat, the scripts) catch ``EpikvError`` only and show its first line;
 anything else is a bug and keeps its traceback. The subclasses also derive from the matching built-in
 (``ValueError`` for bad input, ``RuntimeError`` for native failures) so that ``except ValueError`` code
 written against llama-cpp-python keeps working. This module imports nothing of the package.

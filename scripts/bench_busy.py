@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import git_rev, machine  # noqa: E402
+from benchlib import provenance, save_json  # noqa: E402
 
 PROG = "bench_busy"
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ from epikv_local.engine.handles import Model, resolve_threads
 from epikv_local.engine.budget import BudgetConfig
 from epikv_local.engine.session import Session, SessionConfig
 from epikv_local.api.generation import generate
-from epikv_local.api.sampling import SamplingConfig
+from epikv_local.engine.sampling import SamplingConfig
 from epikv_local.policies import make_policy
 model_path, n_tokens, threads = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 threads = None if threads == "default" else int(threads)
@@ -82,7 +82,6 @@ def run_child(model_path: str, n_tokens: int, spec: dict, timeout: float) -> dic
 def main(argv=None) -> int:
     from epikv_local.api.models import default_model_path
     from epikv_local.errors import ConfigError
-    from epikv_local.eval.io import write_atomic
 
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF model (default: the cached default model)")
@@ -115,11 +114,9 @@ def main(argv=None) -> int:
     print(f"median tok/s busy: old {summary['busy']['old']:.2f}, new {summary['busy']['new']:.2f} "
           f"({ratio['busy']:.1f}x); idle: old {summary['idle']['old']:.2f}, new {summary['idle']['new']:.2f} "
           f"({ratio['idle']:.2f}x)")
-    doc = {"command": "python scripts/bench_busy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "git_rev": git_rev(), "machine": machine(), "n_cpu": n_cpu, "settings": specs, "tokens": args.tokens,
-           "median_tokens_per_s": summary, "new_over_old": ratio, "rounds": results}
-    if args.out:
-        write_atomic(args.out, json.dumps(doc, indent=2) + "\n")
+    save_json(args.out, {**provenance("bench_busy.py", argv), "n_cpu": n_cpu, "settings": specs,
+                         "tokens": args.tokens, "median_tokens_per_s": summary, "new_over_old": ratio,
+                         "rounds": results})
     return 0
 
 

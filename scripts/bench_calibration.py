@@ -21,13 +21,12 @@ Part 3 (``--agreement LABELS``, default model): do the cheaper labels rank the l
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import git_rev, machine  # noqa: E402
+from benchlib import provenance, save_json  # noqa: E402
 
 PROG = "bench_calibration"
 
@@ -43,16 +42,13 @@ def label_cost(model, toks, horizon: int, batch: int, n_ckpt: int, threads) -> d
     _, sec, n = label_trace(model, "cost", toks, s, n_threads=threads, done=done)
     # label_trace also decodes the prefix up to the first checkpoint (once per trace, not per position):
     # timed alone the same way and subtracted
-    import numpy as np
     from epikv_local.engine.handles import Context
 
     nb = max(horizon * batch, s.stride, 16)
     with Context(model, n_ctx=len(toks) + horizon * batch + nb, n_batch=nb, n_threads=threads,
                  n_seq_max=batch + 1) as ctx:
         t0 = time.perf_counter()
-        for i in range(0, first, nb):
-            hi = min(first, i + nb)
-            ctx.decode(toks[i:hi], np.arange(i, hi), logits_last=False)
+        ctx.prefill(toks[:first], chunk=nb, logits_from=first)  # logits_from past the end: no output rows
         prefix = time.perf_counter() - t0
     sec = max(sec - prefix, 0.0)
     return {"horizon": horizon, "batch": batch, "positions": n, "seconds": round(sec, 2),
@@ -122,7 +118,6 @@ def main(argv=None) -> int:
     from epikv_local.api.models import default_model_path
     from epikv_local.engine.handles import Model, check_gguf
     from epikv_local.eval.calibrate import FAST_GRID, Grid, calibrate
-    from epikv_local.eval.io import write_atomic
     from epikv_local.eval.traces import default_dev_traces, load_traces
 
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
@@ -139,12 +134,10 @@ def main(argv=None) -> int:
     model_path = check_gguf(args.model) if args.model else default_model_path()
     traces = args.traces or str(default_dev_traces())
     today = Grid()
-    doc = {"command": "python scripts/bench_calibration.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "git_rev": git_rev(), "machine": machine(), "model": Path(model_path).name, "threads": args.threads}
+    doc = {**provenance("bench_calibration.py", argv), "model": Path(model_path).name, "threads": args.threads}
 
     def save():
-        if args.out:
-            write_atomic(args.out, json.dumps(doc, indent=2) + "\n")
+        save_json(args.out, doc)
 
     if args.agreement:
         agreement(args.agreement, args.threads, doc)

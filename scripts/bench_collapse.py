@@ -18,22 +18,17 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-for _p in (REPO, REPO / "scripts"):  # the source tree; bench_fidelity's provenance helpers
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+sys.path.insert(0, str(REPO / "scripts"))
+from benchlib import ArgParser, log, run_or_merge  # noqa: E402  (benchlib puts the source tree on sys.path)
 
-from epikv_local.errors import ConfigError, DataError, run_main  # noqa: E402
-from epikv_local.eval.io import write_atomic  # noqa: E402
+from epikv_local.errors import ConfigError, DataError  # noqa: E402
+from epikv_local.eval.io import nan_to_none, write_atomic  # noqa: E402
 
 PROG = "bench_collapse"
 DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "math500.jsonl"
@@ -41,13 +36,8 @@ DEFAULT_POLICIES = "streaming,epikv,keydiff,h2o"
 QUICK = {"n_prompts": 1, "max_tokens": 48, "budgets": [64], "policies": ["streaming"]}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ConfigError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description="Degeneration of sampled generations under KV eviction vs the full cache.")
+    ap = ArgParser(prog=PROG, description="Degeneration of sampled generations under KV eviction vs the full cache.")
     ap.add_argument("--model", help="GGUF model (default: the cached default model)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
                     help="JSONL with 'problem' fields (default ../shared/data/math500.jsonl; the first --n-prompts)")
@@ -77,31 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def _fmt(m: dict, spec: str) -> str:
     if m is None or m.get("mean") is None:
         return "-"
     return f"{m['mean']:{spec}} [{m['ci_low']:{spec}},{m['ci_high']:{spec}}]"
 
 
-def _clean(x):
-    if isinstance(x, float) and x != x:
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
 def dump(doc: dict) -> str:
     """The result document as JSON: indented, except one line per generation row (their token lists)."""
     rows = doc.get("rows", [])
-    text = json.dumps(_clean({**doc, "rows": []}), indent=2)
-    body = ",\n".join("    " + json.dumps(_clean(r)) for r in rows)
+    text = json.dumps(nan_to_none({**doc, "rows": []}), indent=2)
+    body = ",\n".join("    " + json.dumps(nan_to_none(r)) for r in rows)
     return text.replace('"rows": []', '"rows": [\n' + body + "\n  ]" if rows else '"rows": []') + "\n"
 
 
@@ -133,6 +109,9 @@ def run(args) -> int:
     from epikv_local.engine.handles import Model, check_gguf
     from epikv_local.eval.collapse import (BASELINE, PREFIX, collapse_metrics, generate_one, load_problems,
                                            math_prompt, summarize_collapse)
+    from epikv_local.eval.provenance import run_header
+    from epikv_local.eval.specs import (CALIBRATED, SELECTED, calibrated_spec, check_policies, load_calibration_arg,
+                                        selected_by_budget, selected_spec)
     from epikv_local.policies import REGISTRY
 
     if args.quick:
@@ -150,11 +129,7 @@ def run(args) -> int:
     policies = [p for p in policies if p != BASELINE]
     if not budgets or any(b < 8 for b in budgets):
         raise ConfigError(f"budgets must be integers >= 8, got {args.budgets!r}")
-    for p in policies:
-        if p not in REGISTRY:
-            raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(REGISTRY))}")
-        if REGISTRY[p].from_calibration:
-            raise ConfigError(f"policy {p!r} comes from a calibration: use --calibration FILE|auto")
+    check_policies(policies)
     if n_prompts < 1 or max_tokens < 1 or args.skip_prompts < 0:
         raise ConfigError("--n-prompts and --max-tokens must be >= 1, --skip-prompts >= 0")
     if not 0.0 < args.temperature:
@@ -169,16 +144,12 @@ def run(args) -> int:
     specs = [(p, p, args.recent_fraction) for p in policies]
     cal_info = None
     if args.calibration:
-        from bench_fidelity import calibrated_spec, load_calibration_arg, selected_spec
-
         cal = load_calibration_arg(args.calibration, model_path)
-        specs.append(("epikv_calibrated", calibrated_spec(cal), cal.recent_fraction))
+        specs.append((CALIBRATED, calibrated_spec(cal), cal.recent_fraction))
         if cal.selected is not None:
-            specs.append(("calibrated", None, None))  # resolved per budget below
+            specs.append((SELECTED, None, None))  # resolved per budget below
         cal_info = {"path": str(cal.path), "epikv": cal.policy_options(), "recent_fraction": cal.recent_fraction,
-                    "selected": cal.selected,
-                    "selected_by_budget": {str(b): cal.selected_for(b) for b in budgets}
-                    if cal.selected_by_budget else None}
+                    "selected": cal.selected, "selected_by_budget": selected_by_budget(cal, budgets)}
     problems = load_problems(src, n_prompts, skip=args.skip_prompts)
     if not problems:
         raise DataError(f"no problem in {src}")
@@ -189,7 +160,7 @@ def run(args) -> int:
     runs = [(BASELINE, BASELINE, args.recent_fraction, None)]
     for b in budgets:
         for lab, sp, rf in specs:
-            if lab == "calibrated":  # step 3's choice for this budget, at its own recent share
+            if lab == SELECTED:  # step 3's choice for this budget, at its own recent share
                 sp, rf = selected_spec(cal, b), cal.selected_for(b)["recent_fraction"]
             runs.append((lab, sp, rf, b))
     rows = []
@@ -207,18 +178,12 @@ def run(args) -> int:
                        "policy": policy, "kv_budget": budget, "recent_fraction": recent, **m,
                        **g}
                 rows.append(row)
-                _log(f"prompt {i + 1}/{len(problems)} {policy}@{budget or 'full'}: {g['n_generated']} tokens "
-                     f"({g['stop_reason']}), distinct-2 {m['distinct_2']:.2f}, loop {int(m['loop'])}, "
-                     f"longest repeat {m['longest_repeat_share']:.2f} ({g['seconds']:.1f}s)")
+                log(f"prompt {i + 1}/{len(problems)} {policy}@{budget or 'full'}: {g['n_generated']} tokens "
+                    f"({g['stop_reason']}), distinct-2 {m['distinct_2']:.2f}, loop {int(m['loop'])}, "
+                    f"longest repeat {m['longest_repeat_share']:.2f} ({g['seconds']:.1f}s)")
     summary = summarize_collapse(rows, n_resamples=args.bootstrap, seed=0)
     wall = time.perf_counter() - t_start
-    from bench_fidelity import git_revision, model_fingerprint
-
-    doc = {"command": shlex.join([sys.executable] + sys.argv), "git_revision": git_revision(),
-           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                       "cpu_count": os.cpu_count(), "threads": args.threads},
-           "model": model_fingerprint(model_path),
+    doc = {**run_header(model_path, args.threads),
            "settings": {"prompts": str(src), "prompt_ids": [p["id"] for p in problems], "n_prompts": len(problems),
                         "prompt_suffix": math_prompt(""), "chat_template": True, "max_tokens": max_tokens,
                         "distinct_prefix_tokens": PREFIX,
@@ -231,7 +196,7 @@ def run(args) -> int:
            "wall_seconds": round(wall, 1), "summary": summary, "rows": rows}
     path = write_atomic(out_dir / f"collapse_{name}.json", dump(doc))
     print_tables(summary)
-    _log(f"wrote {path} ({wall:.0f}s)")
+    log(f"wrote {path} ({wall:.0f}s)")
     return 0
 
 
@@ -245,13 +210,13 @@ def merge(args) -> int:
     calibration's). Every part ran the full cache on the same prompts with the same seeds; those rows must be
     the same generations (else the pairing would be wrong) and are kept once. The summary is recomputed."""
     from epikv_local.eval.collapse import BASELINE, summarize_collapse
+    from epikv_local.eval.provenance import (merged_header, merged_settings, merged_wall_seconds,
+                                             read_result_doc, settings_mismatch)
 
     parts = [Path(x.strip()) for x in args.merge.split(",") if x.strip()]
     if len(parts) < 2:
         raise ConfigError("--merge needs two or more result files, comma-separated")
     docs = []
-    from bench_fidelity import read_result_doc
-
     for part in parts:
         d = read_result_doc(part, "a bench_collapse result")
         if not (isinstance(d.get("rows"), list)
@@ -259,10 +224,9 @@ def merge(args) -> int:
                         for r in d["rows"])):
             raise DataError(f"--merge: {part} is not a bench_collapse result (settings and rows)")
         docs.append(d)
-    for part, d in zip(parts[1:], docs[1:]):
-        diff = [k for k in MERGE_KEYS if d["settings"].get(k) != docs[0]["settings"].get(k)]
-        if diff:
-            raise DataError(f"--merge: {part} differs from {parts[0]} in {', '.join(diff)}")
+    mismatch = settings_mismatch(docs, MERGE_KEYS)
+    if mismatch:
+        raise DataError(f"--merge: {parts[mismatch[0]]} differs from {parts[0]} in {', '.join(mismatch[1])}")
     base = {r["prompt_id"]: r for r in docs[0]["rows"] if r["policy"] == BASELINE}
     rows, seen = list(docs[0]["rows"]), {(r["prompt_id"], r["policy"], r["kv_budget"]) for r in docs[0]["rows"]}
     for part, d in zip(parts[1:], docs[1:]):
@@ -278,30 +242,17 @@ def merge(args) -> int:
             seen.add(k)
             rows.append(r)
     summary = summarize_collapse(rows, n_resamples=args.bootstrap, seed=0)
-    settings = dict(docs[0]["settings"])
-    settings["policies"] = list(dict.fromkeys(p for d in docs for p in d["settings"]["policies"]))
-    settings["calibration"] = next((d["settings"].get("calibration") for d in docs
-                                    if d["settings"].get("calibration")), None)
-    from bench_fidelity import git_revision
-
-    doc = {"command": shlex.join([sys.executable] + sys.argv), "parts": [d["command"] for d in docs],
-           "git_revision": git_revision(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "machine": docs[0]["machine"], "model": docs[0]["model"], "settings": settings,
-           "wall_seconds": round(sum(d.get("wall_seconds", 0) for d in docs), 1), "summary": summary, "rows": rows}
+    doc = {**merged_header(docs), "settings": merged_settings(docs), "wall_seconds": merged_wall_seconds(docs),
+           "summary": summary, "rows": rows}
     name = args.name or "merged"
     path = write_atomic(Path(args.out) / f"collapse_{name}.json", dump(doc))
     print_tables(summary)
-    _log(f"wrote {path}")
+    log(f"wrote {path}")
     return 0
 
 
-def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    return merge(args) if args.merge else run(args)
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run_main(PROG, _main, argv)
+    return run_or_merge(PROG, build_parser(), run, merge, argv)
 
 
 if __name__ == "__main__":

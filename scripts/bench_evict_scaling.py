@@ -12,13 +12,12 @@ removal) is compared with the mean decode step at that context size, side by sid
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import git_rev, machine  # noqa: E402
+from benchlib import provenance, save_json  # noqa: E402
 
 PROG = "bench_evict_scaling"
 
@@ -55,7 +54,7 @@ def main(argv=None) -> int:
     from epikv_local.api.models import default_model_path
     from epikv_local.engine.handles import Model, check_gguf
     from epikv_local.errors import ConfigError, DataError
-    from epikv_local.eval.io import read_jsonl, write_atomic
+    from epikv_local.eval.io import read_jsonl
     from epikv_local.eval.traces import default_dev_traces, trace_text
 
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
@@ -75,12 +74,8 @@ def main(argv=None) -> int:
     rows = []
 
     def save():  # after every row, atomically: a long run that is stopped keeps what it measured
-        if args.out:
-            doc = {"command": "python scripts/bench_evict_scaling.py "
-                              + " ".join(argv if argv is not None else sys.argv[1:]),
-                   "git_rev": git_rev(), "machine": machine(), "model": Path(model_path).name,
-                   "settings": vars(args), "rows": rows}
-            write_atomic(args.out, json.dumps(doc, indent=2) + "\n")
+        save_json(args.out, {**provenance("bench_evict_scaling.py", argv), "model": Path(model_path).name,
+                             "settings": vars(args), "rows": rows})
 
     with Model(model_path) as model:
         text = " ".join(trace_text(r) for _, r in read_jsonl(default_dev_traces(), "trace file"))

@@ -31,23 +31,21 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import hashlib
 import json
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # the source tree (the installed copy may predate epikv_local.eval)
+sys.path.insert(0, str(REPO / "scripts"))
+from benchlib import ArgParser, log, run_or_merge  # noqa: E402  (benchlib puts the source tree on sys.path)
 
-from epikv_local.errors import ConfigError, DataError, run_main  # noqa: E402
+from epikv_local.errors import ConfigError, DataError  # noqa: E402
+from epikv_local.eval.io import nan_to_none  # noqa: E402
 from epikv_local.eval.longrange import KEY_THRESHOLD, KEY_WINDOW  # noqa: E402
+from epikv_local.eval.specs import (CALIBRATED, SELECTED, calibrated_spec, check_policies,  # noqa: E402
+                                    load_calibration_arg, selected_by_budget, selected_spec)
 
 PROG = "bench_fidelity"
 DEFAULT_TRACES = REPO.parent / "shared" / "data" / "r1_traces_dev.jsonl"
@@ -56,13 +54,8 @@ QUICK_BUDGETS = [128]
 QUICK_POLICIES = ["streaming", "epikv"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 through run_main (argparse prints usage + message by default)
-        raise ConfigError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description="Teacher-forced fidelity of KV-cache eviction policies (ΔNLL, top-1, KL).")
+    ap = ArgParser(prog=PROG, description="Teacher-forced fidelity of KV-cache eviction policies (ΔNLL, top-1, KL).")
     ap.add_argument("--model", help="GGUF model (default: the cached default model)")
     ap.add_argument("--traces", default=str(DEFAULT_TRACES),
                     help="JSONL traces with 'problem' and 'trace' fields (default: ../shared/data/r1_traces_dev.jsonl)")
@@ -111,10 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def _int_list(text: str, what: str) -> list[int]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
@@ -126,26 +115,6 @@ def _int_list(text: str, what: str) -> list[int]:
     if any(v < 1 for v in vals):
         raise ConfigError(f"{what} must be >= 1, got {text!r}")
     return sorted(set(vals))
-
-
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=30).stdout.strip()
-        if not rev:
-            return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def model_fingerprint(path: Path) -> dict:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    return {"path": str(path), "size_bytes": path.stat().st_size, "sha256_first_1MiB": h.hexdigest()}
 
 
 def _fmt_ci(m: dict, spec: str) -> str:
@@ -218,17 +187,6 @@ def print_grid(grid: list[dict], choice: dict, file=sys.stdout) -> None:
     print(f"choice: window {choice['window']}, threshold {choice['threshold']} ({choice['reason']})", file=file)
 
 
-def _clean(x):
-    """NaN floats -> None, recursively (strict JSON)."""
-    if isinstance(x, float) and x != x:
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
 def read_answers(path: Path) -> dict[str, str]:
     """id -> gold answer of the records of a trace file (records without an id or an answer are left out)."""
     from epikv_local.eval.io import read_jsonl
@@ -241,46 +199,6 @@ def read_answers(path: Path) -> dict[str, str]:
     return out
 
 
-CALIBRATED = "epikv_calibrated"
-
-
-def calibrated_spec(cal):
-    """``epikv_calibrated``: EPIKV with ``cal``'s layers and window, as an unregistered named configuration
-    (the fidelity passes take a PolicySpec as well as a registered name). Its recent share is not a policy
-    setting: ``run`` passes ``cal.recent_fraction`` to its own ``evaluate_trace`` call."""
-    from epikv_local.policies import EpikvPolicy, PolicySpec
-
-    return PolicySpec(CALIBRATED, EpikvPolicy, cal.policy_options(), "EPIKV with this model's calibration")
-
-
-def load_calibration_arg(arg: str, model_path: Path):
-    """``--calibration FILE|auto``: that file, or the model's own calibration (DataError when there is none)."""
-    from epikv_local.api.calibration import load_file, load_for_model
-
-    if arg == "auto":
-        cal = load_for_model(model_path)
-        if cal is None:
-            raise DataError("--calibration auto: this model has no calibration (run epikv-local calibrate)")
-        return cal
-    if not Path(arg).is_file():
-        raise DataError(f"calibration file not found: {arg}")
-    return load_file(arg)
-
-
-def selected_spec(cal, kv_budget: int | None = None):
-    """``calibrated`` at ``kv_budget``: the policy and settings that ``cal``'s step 3 selected among the signals
-    for that budget (``cal.selected_for``; run with its own recent share, ``cal.selected_for(b)["recent_fraction"]``),
-    or None for a calibration without step 3."""
-    from epikv_local.policies import PolicySpec, policy_spec
-
-    sel = cal.selected_for(kv_budget)
-    if sel is None:
-        return None
-    base = policy_spec(sel["policy"])
-    return PolicySpec("calibrated", base.cls, {**base.preset, **sel["options"]},
-                      f"{base.name} as selected by this model's calibration")
-
-
 def run(args) -> int:
     from epikv_local.api.models import default_model_path
     from epikv_local.engine.handles import Model, check_gguf
@@ -288,6 +206,7 @@ def run(args) -> int:
 
     from epikv_local.eval.fidelity import evaluate_trace, local_window_nll, summarize
     from epikv_local.eval.longrange import WINDOW_STRIDE_FRACTION, key_grid, select_key_setting
+    from epikv_local.eval.provenance import run_header
     from epikv_local.eval.traces import load_traces
     from epikv_local.policies import REGISTRY
 
@@ -307,21 +226,15 @@ def run(args) -> int:
     if args.calibration:
         cal = load_calibration_arg(args.calibration,
                                    Path(args.model).expanduser() if args.model else default_model_path())
-        policies = [p for p in policies if p not in (CALIBRATED, "calibrated")]
-        _log(f"epikv_calibrated: layers {cal.layer_a},{cal.layer_b} window {cal.window} recent share "
-             f"{cal.recent_fraction} ({cal.path})")
+        policies = [p for p in policies if p not in (CALIBRATED, SELECTED)]
+        log(f"epikv_calibrated: layers {cal.layer_a},{cal.layer_b} window {cal.window} recent share "
+            f"{cal.recent_fraction} ({cal.path})")
         if cal.selected is not None:
-            _log(f"calibrated: {cal.selected['policy']} {cal.selected['options']} recent share "
-                 f"{cal.selected['recent_fraction']}")
+            log(f"calibrated: {cal.selected['policy']} {cal.selected['options']} recent share "
+                f"{cal.selected['recent_fraction']}")
     if not policies and cal is None:
         raise ConfigError("policy list is empty")
-    for p in policies:
-        if p not in REGISTRY:
-            raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(sorted(REGISTRY))}")
-        if p == "none":
-            raise ConfigError("policy 'none' is the full-cache reference; it cannot run under a budget")
-        if REGISTRY[p].from_calibration:
-            raise ConfigError(f"policy {p!r} comes from a calibration: use --calibration FILE|auto")
+    check_policies(policies, allow_none=False)
     if n_traces < 1:
         raise ConfigError(f"--n-traces must be >= 1, got {n_traces}")
     if args.skip_traces < 0:
@@ -352,7 +265,7 @@ def run(args) -> int:
         raise ConfigError(f"no budget below --max-tokens {max_tokens}: nothing to evaluate")
     for b in budgets:
         if b not in kept:
-            _log(f"skipping budget {b}: not below the {max_tokens}-token trace length, nothing would be evaluated")
+            log(f"skipping budget {b}: not below the {max_tokens}-token trace length, nothing would be evaluated")
     budgets = kept
 
     model_path = Path(args.model).expanduser() if args.model else default_model_path()
@@ -378,26 +291,26 @@ def run(args) -> int:
             traces = [(source.name, toks)]
             for b in budgets:
                 if b >= len(toks) - 1:
-                    _log(f"skipping budget {b}: not below the text's {len(toks)} tokens")
+                    log(f"skipping budget {b}: not below the text's {len(toks)} tokens")
         else:
             traces = load_traces(source, model, max_tokens, n_traces=n_traces + args.skip_traces,
                                  min_tokens=max_tokens, interleave_sources=not args.file_order)[args.skip_traces:]
             if not traces:
                 raise DataError(f"no trace in {source} has {max_tokens} tokens")
             if len(traces) < n_traces:
-                _log(f"only {len(traces)} traces of {source} have {max_tokens} tokens (asked for {n_traces})")
-        _log(f"model {model_path.name}; {len(traces)} trace(s) x {len(policies)} policies x budgets "
-             f"{','.join(map(str, budgets))}; chunk {args.chunk}")
+                log(f"only {len(traces)} traces of {source} have {max_tokens} tokens (asked for {n_traces})")
+        log(f"model {model_path.name}; {len(traces)} trace(s) x {len(policies)} policies x budgets "
+            f"{','.join(map(str, budgets))}; chunk {args.chunk}")
         rows = []
         grid_traces = []
         jsonl = out_dir / f"{args.prefix}_{name}.jsonl"
         fa = not args.no_flash_attn
         with open(jsonl, "w") as f:
             for i, (tid, toks) in enumerate(traces):
-                _log(f"trace {i + 1}/{len(traces)} {tid} ({len(toks)} tokens)")
+                log(f"trace {i + 1}/{len(traces)} {tid} ({len(toks)} tokens)")
                 answer = answers.get(tid) if answer_span else None
                 if answer_span and answer is None:
-                    _log(f"  {tid}: no gold answer, no answer span")
+                    log(f"  {tid}: no gold answer, no answer span")
                 window_nll, grid_nll = None, {}
                 start = min(b for b in budgets if b < len(toks) - 1) if any(b < len(toks) - 1 for b in budgets) else None
                 if grid_windows and start is not None:
@@ -405,14 +318,14 @@ def run(args) -> int:
                         t0 = time.perf_counter()
                         grid_nll[w] = local_window_nll(model, toks, w, start, len(toks) - 1, flash_attn=fa,
                                                        n_threads=args.threads)
-                        _log(f"  grid: local window {w} ({time.perf_counter() - t0:.1f}s)")
+                        log(f"  grid: local window {w} ({time.perf_counter() - t0:.1f}s)")
                     window_nll = grid_nll.get(args.key_window)
                 if window_nll is None and args.key_window and start is not None and cal is not None:
                     # computed once here: the calibrated policies' evaluate_trace calls reuse it
                     window_nll = local_window_nll(model, toks, args.key_window, start, len(toks) - 1, flash_attn=fa,
                                                   n_threads=args.threads)
                 common = dict(chunk=args.chunk, n_sink=args.n_sink, flash_attn=fa, n_threads=args.threads,
-                              progress=lambda m: _log("  " + m), answer=answer, key_window=args.key_window or None,
+                              progress=lambda m: log("  " + m), answer=answer, key_window=args.key_window or None,
                               key_threshold=args.key_threshold, keep_positions=bool(grid_windows))
                 trace_rows = evaluate_trace(model, toks, policies, budgets, recent_fraction=args.recent_fraction,
                                             window_nll=window_nll, **common)
@@ -430,7 +343,7 @@ def run(args) -> int:
                         passes[(r["policy"], r["kv_budget"])] = pp
                     r = {"trace_id": tid, **r, "model": model_path.name}
                     rows.append(r)
-                    f.write(json.dumps(_clean(r)) + "\n")
+                    f.write(json.dumps(nan_to_none(r)) + "\n")
                 f.flush()
                 if grid_nll:
                     grid_traces.append({"positions": np.arange(start, len(toks) - 1), "window_nll": grid_nll,
@@ -439,12 +352,7 @@ def run(args) -> int:
     summary = summarize(rows, n_resamples=args.bootstrap, seed=args.seed, baseline=args.paired_baseline)
     wall = time.perf_counter() - t_start
     doc = {
-        "command": shlex.join([sys.executable] + sys.argv),
-        "git_revision": git_revision(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpu_count": os.cpu_count(), "threads": args.threads or os.cpu_count()},
-        "model": model_fingerprint(model_path),
+        **run_header(model_path, args.threads or os.cpu_count()),
         "settings": {"source": str(source), "traces": [t for t, _ in traces], "n_traces": len(traces),
                      "max_tokens": max_tokens, "budgets": budgets, "policies": policies, "chunk": args.chunk,
                      "n_sink": args.n_sink, "recent_fraction": args.recent_fraction,
@@ -454,8 +362,7 @@ def run(args) -> int:
                                      {"path": cal.path, "layer_a": cal.layer_a, "layer_b": cal.layer_b,
                                       "window": cal.window, "recent_fraction": cal.recent_fraction,
                                       "selected": cal.selected,
-                                      "selected_by_budget": {str(b): cal.selected_for(b) for b in budgets}
-                                      if cal.selected_by_budget else None}),
+                                      "selected_by_budget": selected_by_budget(cal, budgets)}),
                      "bootstrap_resamples": args.bootstrap, "seed": args.seed, "quick": bool(args.quick),
                      "metrics_at": "positions t >= kv_budget (prediction of token t+1)",
                      "key_window": args.key_window or None, "key_threshold": args.key_threshold if args.key_window else None,
@@ -471,34 +378,21 @@ def run(args) -> int:
     }
     from epikv_local.eval.io import write_atomic
 
-    summary_path = write_atomic(out_dir / f"{args.prefix}_{name}_summary.json", json.dumps(_clean(doc), indent=2) + "\n")
+    summary_path = write_atomic(out_dir / f"{args.prefix}_{name}_summary.json", json.dumps(nan_to_none(doc), indent=2) + "\n")
     print_table(summary, baseline=args.paired_baseline)
     if grid_traces:
         grid = key_grid(grid_traces, grid_windows, grid_thresholds, n_resamples=args.bootstrap, seed=args.seed)
         gb = args.grid_budget or max(budgets)
         choice = select_key_setting(grid, gb)
         grid_path = out_dir / f"{args.prefix}_{name}_keygrid.json"
-        grid_path.write_text(json.dumps({"command": doc["command"], "git_revision": doc["git_revision"],
-                                         "date": doc["date"], "settings": doc["settings"],
-                                         "rule": select_key_setting.__doc__.strip(), "choice": choice,
-                                         "grid": _clean(grid)}, indent=2) + "\n")
+        write_atomic(grid_path, json.dumps({"command": doc["command"], "git_revision": doc["git_revision"],
+                                            "date": doc["date"], "settings": doc["settings"],
+                                            "rule": select_key_setting.__doc__.strip(), "choice": choice,
+                                            "grid": nan_to_none(grid)}, indent=2) + "\n")
         print_grid(grid, choice)
-        _log(f"wrote {grid_path}")
-    _log(f"wrote {jsonl} and {summary_path} ({wall:.0f}s)")
+        log(f"wrote {grid_path}")
+    log(f"wrote {jsonl} and {summary_path} ({wall:.0f}s)")
     return 0
-
-
-def read_result_doc(path: Path, what: str) -> dict:
-    """A result document for ``--merge``: a JSON object with a ``settings`` object (DataError otherwise)."""
-    if not path.is_file():
-        raise DataError(f"--merge: {path} not found")
-    try:
-        d = json.loads(path.read_text())
-    except ValueError as e:
-        raise DataError(f"--merge: {path} is not JSON ({e})") from None
-    if not (isinstance(d, dict) and isinstance(d.get("settings"), dict)):
-        raise DataError(f"--merge: {path} is not {what} (no settings)")
-    return d
 
 
 def merge(args) -> int:
@@ -507,6 +401,8 @@ def merge(args) -> int:
     included) recomputed over all of them; settings from the parts' summary files, which must agree."""
     from epikv_local.eval.fidelity import summarize
     from epikv_local.eval.io import read_jsonl, write_atomic
+    from epikv_local.eval.provenance import (merged_header, merged_settings, merged_wall_seconds,
+                                             read_result_doc, settings_mismatch)
 
     parts = [Path(x) for x in args.merge.split(",") if x.strip()]
     rows, docs = [], []
@@ -520,10 +416,9 @@ def merge(args) -> int:
             raise DataError(f"--merge: {part} has no summary file {sp.name} beside it")
         docs.append(read_result_doc(sp, "a bench_fidelity summary"))
     keys = ("source", "max_tokens", "budgets", "chunk", "n_sink", "key_window", "key_threshold", "answer_span")
-    for d in docs[1:]:
-        diff = [k for k in keys if d["settings"].get(k) != docs[0]["settings"].get(k)]
-        if diff:
-            raise DataError(f"--merge: the parts differ in {', '.join(diff)}")
+    mismatch = settings_mismatch(docs, keys)
+    if mismatch:
+        raise DataError(f"--merge: the parts differ in {', '.join(mismatch[1])}")
     seen = set()
     for r in rows:
         k = (r["trace_id"], r["policy"], r["kv_budget"])
@@ -531,33 +426,23 @@ def merge(args) -> int:
             raise DataError(f"--merge: {k} appears twice")
         seen.add(k)
     summary = summarize(rows, n_resamples=args.bootstrap, seed=args.seed, baseline=args.paired_baseline)
-    settings = dict(docs[0]["settings"])
-    settings["policies"] = list(dict.fromkeys(p for d in docs for p in d["settings"]["policies"]))
+    settings = merged_settings(docs)
     settings["traces"] = list(dict.fromkeys(t for d in docs for t in d["settings"]["traces"]))
     settings["n_traces"] = len(settings["traces"])
-    settings["calibration"] = next((d["settings"]["calibration"] for d in docs if d["settings"].get("calibration")),
-                                   None)
-    doc = {"command": shlex.join([sys.executable] + sys.argv), "parts": [d["command"] for d in docs],
-           "git_revision": git_revision(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "machine": docs[0]["machine"], "model": docs[0]["model"], "settings": settings,
-           "wall_seconds": round(sum(d.get("wall_seconds", 0) for d in docs), 1), "results": summary}
+    doc = {**merged_header(docs), "settings": settings, "wall_seconds": merged_wall_seconds(docs),
+           "results": summary}
     out_dir = Path(args.out)
     name = args.name or "merged"
     jsonl = out_dir / f"{args.prefix}_{name}.jsonl"
-    write_atomic(jsonl, "".join(json.dumps(_clean(r)) + "\n" for r in rows))
-    summary_path = write_atomic(out_dir / f"{args.prefix}_{name}_summary.json", json.dumps(_clean(doc), indent=2) + "\n")
+    write_atomic(jsonl, "".join(json.dumps(nan_to_none(r)) + "\n" for r in rows))
+    summary_path = write_atomic(out_dir / f"{args.prefix}_{name}_summary.json", json.dumps(nan_to_none(doc), indent=2) + "\n")
     print_table(summary, baseline=args.paired_baseline)
-    _log(f"wrote {jsonl} and {summary_path} ({len(rows)} rows from {len(parts)} parts)")
+    log(f"wrote {jsonl} and {summary_path} ({len(rows)} rows from {len(parts)} parts)")
     return 0
 
 
-def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    return merge(args) if args.merge else run(args)
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run_main(PROG, _main, argv)
+    return run_or_merge(PROG, build_parser(), run, merge, argv)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
     from epikv_local.api.generation import GenerationStats, stream_generate
     from epikv_local.api.models import default_model_path
-    from epikv_local.api.sampling import SamplingConfig
+    from epikv_local.engine.sampling import SamplingConfig
     from epikv_local.engine.budget import BudgetConfig
     from epikv_local.engine.handles import Model, check_gguf
     from epikv_local.engine.session import Session, SessionConfig
@@ -121,6 +121,7 @@ def main(argv=None) -> int:
             stop_reason = f"context allocation failed: {type(e).__name__}: {e}"
         if session is not None:
             with session:
+                # replaced by each item's statistics; this empty one stands until the first token
                 stats = GenerationStats(policy=policy_name, kv_budget=budget, n_prompt_tokens=len(prompt))
 
                 def sample(elapsed: float, d_tokens: int, d_wall: float, d_decode: float, final: bool = False):
@@ -140,15 +141,14 @@ def main(argv=None) -> int:
                     rows_f.flush()
                     return row
 
-                gen = stream_generate(session, prompt, args.tokens, SamplingConfig(), stats=stats, ignore_eog=True)
+                gen = stream_generate(session, prompt, args.tokens, SamplingConfig(), ignore_eog=True)
                 t_last = t_loop = None
                 dec_last = 0.0
                 n_last = 0
                 last_row = None
                 try:
-                    for piece in gen:
-                        if piece.token < 0:
-                            continue
+                    for response in gen:  # each item carries the statistics as of its token
+                        stats = response.stats
                         now = time.perf_counter()
                         if t_loop is None:  # first token: the prompt has been prefilled
                             t_loop = t_last = now

@@ -24,6 +24,12 @@ from benchlib import git_rev, machine  # noqa: E402
 PROG = "bench_multiturn"
 
 
+def _stats_of(llm, msgs):
+    """The statistics of a one-token chat turn, read from the last step of its stream."""
+    *_, last = llm.chat_completion_steps(msgs, max_tokens=1, temperature=0)
+    return last.stats
+
+
 def one_round(model_path: str, args) -> dict:
     from epikv_local import Llama
 
@@ -33,11 +39,9 @@ def one_round(model_path: str, args) -> dict:
         first = chat.create_chat_completion(messages=msgs, max_tokens=args.turn1_tokens, temperature=0)
         msgs += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "Now tell the same story in three sentences."}]
-        chat.create_chat_completion(messages=msgs, max_tokens=1, temperature=0)
-        reuse = chat.last_stats
+        reuse = _stats_of(chat, msgs)
     with Llama(**kw, protect_prompt=False) as fresh:  # a whole conversation as a first prompt exceeds the budget
-        fresh.create_chat_completion(messages=msgs, max_tokens=1, temperature=0)
-        full = fresh.last_stats
+        full = _stats_of(fresh, msgs)
     return {"turn1_generated": first["usage"]["completion_tokens"], "turn1_evicted": first["epikv"]["n_evicted"],
             "turn2_prompt_tokens": reuse.n_prompt_tokens,
             "reuse": {"decoded": reuse.n_prompt_decoded, "reused": reuse.n_prompt_reused,

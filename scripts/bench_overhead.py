@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import ROOT, git_rev, machine, median_ratio, one_run  # noqa: E402
 
 from epikv_local.errors import ConfigError, run_main  # noqa: E402
+from epikv_local.eval.io import write_atomic  # noqa: E402
 
 VARIANTS = {
     "plain": dict(policy="none", flash_attn=True, route="layer_out", verify=False),
@@ -98,8 +99,7 @@ def main(argv=None) -> int:
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "variants": summary,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_atomic(args.out, json.dumps(out, indent=1) + "\n")
     print(f"{'variant':18} {'tok/s':>8} {'ratio':>7} {'evicted/run':>12} {'ms/evict round':>15}")
     for v, s in summary.items():
         ratio = f"{s['median_ratio_to_plain']:.3f}" if s["median_ratio_to_plain"] is not None else "-"

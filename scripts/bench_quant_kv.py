@@ -16,13 +16,12 @@ on: the two savings multiply. On the held-out test traces, against the full f16 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import git_rev, machine  # noqa: E402
+from benchlib import provenance, save_json  # noqa: E402
 
 PROG = "bench_quant_kv"
 TYPES = ("f16", "q8_0", "q4_0")
@@ -58,7 +57,6 @@ def main(argv=None) -> int:
     from epikv_local.engine.handles import Model, check_gguf
     from epikv_local.errors import ConfigError, DataError
     from epikv_local.eval.fidelity import compare_pass, reference_pass
-    from epikv_local.eval.io import write_atomic
     from epikv_local.eval.stats import bootstrap_ci
     from epikv_local.eval.traces import load_traces
 
@@ -113,13 +111,11 @@ def main(argv=None) -> int:
                         "kv_bytes": sel[0]["kv_bytes"]})
     for r in mem:
         print(f"memory: {r['cache']:<12} {r['type']:<5} n_ctx {r['n_ctx']:>6}  {r['kv_mib_llama_cpp']} MiB")
-    doc = {"command": "python scripts/bench_quant_kv.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "git_rev": git_rev(), "machine": machine(), "model": Path(model_path).name, "settings": vars(args),
-           "note": "fidelity of every pass against the full f16 cache of the same trace; evicting passes at positions "
-                   ">= their budget, full-cache rows in q8_0/q4_0 (the quantization alone) from the smallest budget",
-           "summary": summary, "memory": mem, "rows": rows}
-    if args.out:
-        write_atomic(args.out, json.dumps(doc, indent=2) + "\n")
+    save_json(args.out, {
+        **provenance("bench_quant_kv.py", argv), "model": Path(model_path).name, "settings": vars(args),
+        "note": "fidelity of every pass against the full f16 cache of the same trace; evicting passes at positions "
+                ">= their budget, full-cache rows in q8_0/q4_0 (the quantization alone) from the smallest budget",
+        "summary": summary, "memory": mem, "rows": rows})
     return 0
 
 

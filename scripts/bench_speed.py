@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import ROOT, git_rev, machine, median_ratio, one_run  # noqa: E402
 
 from epikv_local.errors import run_main  # noqa: E402
+from epikv_local.eval.io import write_atomic  # noqa: E402
 
 BASELINES = {
     "plain": dict(policy="none", flash_attn=True, verify=False),
@@ -148,8 +149,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_seconds": round(time.time() - t_start, 1),
         "variants": summary, "epikv_speed_vs_attention_policies": epikv_vs,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_atomic(args.out, json.dumps(out, indent=1) + "\n")
 
     def fmt(x, spec):
         return format(x, spec) if x is not None else "-"

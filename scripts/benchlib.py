@@ -1,33 +1,77 @@
-"""Shared pieces of the benchmark scripts: provenance (git revision, machine) and one timed decode run."""
+"""Shared pieces of the benchmark scripts: provenance (git revision, machine), writing the result document,
+the command-line scaffolding (one-line argument errors, ``--merge`` or a run, timestamped progress) and one
+timed decode run.
+
+Importing it puts the source tree on ``sys.path`` (the scripts run the working tree's package, whichever copy
+is installed). The result documents' provenance comes from :mod:`epikv_local.eval.provenance`.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from epikv_local.errors import ConfigError, run_main  # noqa: E402
+from epikv_local.eval.provenance import git_revision  # noqa: E402
+
 
 def git_rev() -> str:
-    """HEAD's commit, with ``-dirty`` when tracked files differ from it."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
+    """HEAD's commit in this checkout, with ``-dirty`` when tracked files differ from it (``unknown`` without
+    git)."""
+    return git_revision(ROOT)
 
 
 def machine() -> dict:
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor(),
             "python": platform.python_version()}
+
+
+def provenance(script: str, argv: list[str] | None) -> dict:
+    """The fields a result document starts with: the command (``python scripts/<script> ARGS``), the git
+    revision and the machine."""
+    return {"command": f"python scripts/{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "git_rev": git_rev(), "machine": machine()}
+
+
+def save_json(path: str | os.PathLike | None, doc: dict) -> None:
+    """Write ``doc`` as indented JSON to ``path``, atomically; nothing when ``path`` is None."""
+    from epikv_local.eval.io import write_atomic
+
+    if path:
+        write_atomic(path, json.dumps(doc, indent=2) + "\n")
+
+
+class ArgParser(argparse.ArgumentParser):
+    """An argument parser whose errors are a ConfigError: one ``<prog>: error: ...`` line and exit status 2
+    through :func:`epikv_local.errors.run_main` (argparse prints the usage as well by default)."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def run_or_merge(prog: str, parser: argparse.ArgumentParser, run, merge, argv: list[str] | None) -> int:
+    """A script with a ``--merge`` option as a command: ``merge(args)`` when it is given, else ``run(args)``,
+    through :func:`epikv_local.errors.run_main`."""
+    def main(a):
+        args = parser.parse_args(a)
+        return merge(args) if args.merge else run(args)
+
+    return run_main(prog, main, argv)
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr, timestamped."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def one_run(model, spec: dict, prompt: list[int], n_tokens: int, budget: int, n_batch: int,
@@ -40,7 +84,7 @@ def one_run(model, spec: dict, prompt: list[int], n_tokens: int, budget: int, n_
     baseline) gets that whole context as its budget, so the generated tokens fill the slack beyond ``budget``.
     """
     from epikv_local.api.generation import generate
-    from epikv_local.api.sampling import SamplingConfig
+    from epikv_local.engine.sampling import SamplingConfig
     from epikv_local.engine.budget import BudgetConfig, context_cells
     from epikv_local.engine.session import Session, SessionConfig
     from epikv_local.policies import make_policy

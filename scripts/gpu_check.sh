@@ -5,9 +5,10 @@
 #   bash scripts/gpu_check.sh --mode gpu           # on the GPU machine (device tool, carry build/gpu_bundle)
 #   bash scripts/gpu_check.sh --mode cpu [--out D] # here / CI: the same driver with small shapes on the CPU
 #
-# Other options go to scripts/gpu_check.py (--help lists them). The run writes ONE result file, gpu_check.json,
-# into --out (gpu mode: $OUT of the device tool when set), and this script keeps the console output beside it
-# in gpu_check.log. Interpreter: $PYTHON, else .venv/bin/python (prepare, cpu), python3 on the GPU machine.
+# Other options go to the driver, the folder scripts/gpu_check/ run as `python scripts/gpu_check` (--help lists
+# them). The run writes ONE result file, gpu_check.json, into --out (gpu mode: $OUT of the device tool when set),
+# and this script keeps the console output beside it in gpu_check.log. Interpreter: $PYTHON, else
+# .venv/bin/python (prepare, cpu), python3 on the GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export GPU_CHECK_T0=${GPU_CHECK_T0:-$(date +%s)}
@@ -37,7 +38,7 @@ fi
 
 case "$mode" in
     prepare|help)
-        exec "$PY" scripts/gpu_check.py "$@"
+        exec "$PY" scripts/gpu_check "$@"
         ;;
     gpu|cpu)
         if [ "$mode" = gpu ]; then
@@ -64,7 +65,7 @@ case "$mode" in
         mkdir -p "$out"
         echo "gpu_check: mode $mode, python $("$PY" -c 'import sys; print(sys.version.split()[0])'), out $out" >&2
         set -o pipefail
-        "$PY" scripts/gpu_check.py "$@" 2>&1 | tee "$out/gpu_check.log"
+        "$PY" scripts/gpu_check "$@" 2>&1 | tee "$out/gpu_check.log"
         ;;
     *)
         echo "usage: bash scripts/gpu_check.sh --prepare | --mode gpu | --mode cpu [--out DIR] [options]" >&2

@@ -136,7 +136,7 @@ def quantize(src: Path, dst: Path, ftype: str, threads: int | None) -> None:
 def check(path: Path, n_tokens: int = 4) -> dict:
     """Load the model and greedy-decode a few tokens; returns its shape and the tokens."""
     from epikv_local.api.generation import generate
-    from epikv_local.api.sampling import SamplingConfig
+    from epikv_local.engine.sampling import SamplingConfig
     from epikv_local.engine.budget import BudgetConfig
     from epikv_local.engine.handles import Model
     from epikv_local.engine.session import Session, SessionConfig

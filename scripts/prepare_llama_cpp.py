@@ -15,13 +15,14 @@ instead of the sdist (copied to the cache, then patched), for offline builds.
 
 Prints the prepared directory on stdout (the last line). Exit status 1 with a one-line message on error.
 Cache: ``$EPIKV_CACHE_DIR`` or ``${XDG_CACHE_HOME:-~/.cache}/epikv-local``.
-Standard library only: CMake runs it inside pip's isolated build environment.
+Standard library only: CMake runs it inside pip's isolated build environment, before the package is installed.
+Its digests come from the source tree's ``epikv_local/fileio.py`` (a leaf that imports only ``errors``, both
+standard library only; importing ``epikv_local`` loads nothing else).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import subprocess
@@ -31,6 +32,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from epikv_local.fileio import sha256_bytes, sha256_file  # noqa: E402
+
 PATCHES = ROOT / "patches"
 MARKER = ".epikv-prepared"
 
@@ -68,20 +74,9 @@ def series() -> list[Path]:
     return paths
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def patches_digest(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()
+    """sha256 over each patch's name followed by its bytes, in series order."""
+    return sha256_bytes(b"".join(p.name.encode() + p.read_bytes() for p in paths))
 
 
 def obtain_sdist(explicit: str | None, req: str, fname: str, digest: str) -> Path:
@@ -100,7 +95,7 @@ def obtain_sdist(explicit: str | None, req: str, fname: str, digest: str) -> Pat
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if not path.is_file():
                 raise PrepareError(f"pip could not download {req}: {proc.stderr.strip().splitlines()[-1:]}")
-    actual = sha256(path)
+    actual = sha256_file(path)
     if actual != digest:
         raise PrepareError(f"sha256 mismatch for {path}: expected {digest}, got {actual}")
     return path
@@ -138,7 +133,7 @@ def prepare(sdist_arg: str | None, source_arg: str | None) -> Path:
         src = Path(source_arg).expanduser()
         if not (src / "include" / "llama.h").is_file():
             raise PrepareError(f"not a llama.cpp source tree (no include/llama.h): {src}")
-        key = "src-" + hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:12]
+        key = "src-" + sha256_bytes(str(src.resolve()).encode())[:12]
     else:
         key = digest[:12]
     out = cache_dir() / f"llama.cpp-{key}-{pd[:12]}"

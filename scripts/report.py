@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the source tree (epikv_local.eval.longrange, epikv_local.fileio)
 RESULTS = ROOT / "results"
 FIGS = ROOT / "docs" / "figures"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -25,6 +27,27 @@ BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 def fmt_ci(m: dict, digits: int = 3, signed: bool = False) -> str:
     f = f"{{:+.{digits}f}}" if signed else f"{{:.{digits}f}}"
     return f"{f.format(m['mean'])} [{f.format(m['ci_low'])}, {f.format(m['ci_high'])}]"
+
+
+def fmt_opt(v: dict, key: str, spec: str) -> str:
+    """``v[key]`` formatted with ``spec``, or – when it is missing or None."""
+    x = v.get(key)
+    return "–" if x is None else format(x, spec)
+
+
+def md_row(cells) -> str:
+    """One row of a markdown table."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def md_head(cells) -> list[str]:
+    """A markdown table's header row and the separator under it."""
+    return [md_row(cells), "|---" * len(cells) + "|"]
+
+
+def budget_head(first: str, budgets) -> list[str]:
+    """The header of a table with one column per KV budget."""
+    return md_head([first] + [f"budget {b}" for b in budgets])
 
 
 def fidelity_section(summary_path: Path) -> str:
@@ -45,9 +68,7 @@ def fidelity_section(summary_path: Path) -> str:
     for metric, title, signed in (("delta_nll", "ΔNLL vs full cache (nats/token, lower is better)", True),
                                   ("top1_agreement", "top-1 agreement with the full cache (higher is better)", False),
                                   ("kl", "KL(full ‖ evicted) (nats, lower is better)", False)):
-        out += [f"**{title}** — mean [95% bootstrap CI over traces]", "",
-                "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |",
-                "|---|" + "---|" * len(budgets)]
+        out += [f"**{title}** — mean [95% bootstrap CI over traces]", "", *budget_head("policy", budgets)]
         for p in policies:
             best = []
             for b in budgets:
@@ -59,7 +80,7 @@ def fidelity_section(summary_path: Path) -> str:
                 top = (max(vals) if metric == "top1_agreement" else min(vals))
                 cell = fmt_ci(r[metric], 3, signed)
                 best.append(f"**{cell}**" if r[metric]["mean"] == top else cell)
-            out.append(f"| {p} | " + " | ".join(best) + " |")
+            out.append(md_row([p] + best))
         out.append("")
     out.append(f"![fidelity {name}](figures/fidelity_{name}.png)")
     out.append("")
@@ -82,7 +103,7 @@ def goal_section(jsonl: Path, budgets) -> str:
     out = ["**Goal check for `calibrated`**: paired difference calibrated − streaming [95% CI] (**bold** = "
            "significantly better), and the policies significantly better than `calibrated` in that cell "
            "(other − calibrated [95% paired CI]; none = no policy beats it significantly)", "",
-           "| metric | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+           *budget_head("metric", budgets)]
     for metric, title in PAIRED:
         if not any(metric in r for r in rows):
             continue
@@ -101,7 +122,7 @@ def goal_section(jsonl: Path, budgets) -> str:
                              and v[metric]["ci_high"] < 0), key=lambda t: t[0])
             beat = "; ".join(f"{p} {fmt_ci(m, 3, True)}" for _, p, m in better) or "none"
             cells.append(f"{c}<br>beaten by: {beat}")
-        out.append(f"| {title} | " + " | ".join(cells) + " |")
+        out.append(md_row([title] + cells))
     out.append("")
     return "\n".join(out)
 
@@ -121,7 +142,7 @@ def paired_section(rows, budgets, name: str) -> str:
             continue
         out += [f"**Paired {title}: policy − streaming** — mean [95% paired bootstrap CI over traces]; "
                 "**bold** = significantly better than streaming, *italic* = significantly worse", "",
-                "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+                *budget_head("policy", budgets)]
         for p in sorted(pols, key=lambda q: sum(by[(q, b)]["paired_vs_streaming"].get(metric, {}).get("mean") or 0
                                                  for b in budgets if (q, b) in by)):
             cells = []
@@ -132,7 +153,7 @@ def paired_section(rows, budgets, name: str) -> str:
                     continue
                 c = fmt_ci(m, 3, True)
                 cells.append(f"**{c}**" if m["ci_high"] < 0 else f"*{c}*" if m["ci_low"] > 0 else c)
-            out.append(f"| {p} | " + " | ".join(cells) + " |")
+            out.append(md_row([p] + cells))
         out.append("")
     plot_paired(rows, pols, budgets, FIGS / f"paired_{name}.png", name)
     out += [f"![paired {name}](figures/paired_{name}.png)", ""]
@@ -206,19 +227,24 @@ def plot_fidelity(rows, policies, budgets, path: Path, name: str) -> None:
     plt.close(fig)
 
 
+def speed_head(title: str, path: Path, d: dict, details: str) -> list[str]:
+    """The title and the command line of a speed-benchmark section (``speed.json``, ``overhead.json``)."""
+    return [f"### {title}: `{path.name}`", "", f"Command: `{d['command']}` (git `{d['git']}`, {d['date']}); {details}",
+            ""]
+
+
 def speed_section(path: Path) -> str:
     d = json.loads(path.read_text())
-    out = [f"### Decode speed per policy: `{path.name}`", "",
-           f"Command: `{d['command']}` (git `{d['git']}`, {d['date']}); model {d.get('model_desc', d['model'])}, "
-           f"budget {d['kv_budget']}, n_ctx {d['n_ctx']}, prompt {d['prompt_tokens']} tokens, "
-           f"{d['decoded_tokens']} decoded tokens per run, {d['rounds']} alternating rounds, {d.get('threads')} threads.",
-           "", "| variant | flash attn | median tok/s | ratio to plain (FA on) | ratio to plain (FA off) | ms per eviction round |",
-           "|---|---|---|---|---|---|"]
+    out = speed_head("Decode speed per policy", path, d,
+                     f"model {d.get('model_desc', d['model'])}, budget {d['kv_budget']}, n_ctx {d['n_ctx']}, "
+                     f"prompt {d['prompt_tokens']} tokens, {d['decoded_tokens']} decoded tokens per run, "
+                     f"{d['rounds']} alternating rounds, {d.get('threads')} threads.")
+    out += md_head(["variant", "flash attn", "median tok/s", "ratio to plain (FA on)", "ratio to plain (FA off)",
+                    "ms per eviction round"])
     for name, v in d["variants"].items():
-        ms = f"{v['mean_eviction_round_ms']:.2f}" if v.get("mean_eviction_round_ms") is not None else "–"
-        fa = "on" if v.get("flash_attn_requested") else "off"
-        out.append(f"| {name} | {fa} | {v['median_tokens_per_s']:.1f} | {v['median_ratio_to_plain']:.3f} | "
-                   f"{v['median_ratio_to_plain_noFA']:.3f} | {ms} |")
+        out.append(md_row([name, "on" if v.get("flash_attn_requested") else "off", f"{v['median_tokens_per_s']:.1f}",
+                           f"{v['median_ratio_to_plain']:.3f}", f"{v['median_ratio_to_plain_noFA']:.3f}",
+                           fmt_opt(v, "mean_eviction_round_ms", ".2f")]))
     cmp_ = d.get("epikv_speed_vs_attention_policies", {})
     if cmp_:
         out += ["", "EPIKV tokens/s relative to each attention-based policy (median of per-round ratios): "
@@ -228,15 +254,13 @@ def speed_section(path: Path) -> str:
 
 def overhead_section(path: Path) -> str:
     d = json.loads(path.read_text())
-    out = [f"### EPIKV overhead: `{path.name}`", "",
-           f"Command: `{d['command']}` (git `{d['git']}`, {d['date']}); budget {d['kv_budget']}, "
-           f"prompt {d['prompt_tokens']} tokens, {d['decoded_tokens']} decoded tokens per run, {d['rounds']} rounds.",
-           "", "| variant | median tok/s | median ratio to plain | evicted per run | ms per eviction round |",
-           "|---|---|---|---|---|"]
+    out = speed_head("EPIKV overhead", path, d,
+                     f"budget {d['kv_budget']}, prompt {d['prompt_tokens']} tokens, {d['decoded_tokens']} decoded "
+                     f"tokens per run, {d['rounds']} rounds.")
+    out += md_head(["variant", "median tok/s", "median ratio to plain", "evicted per run", "ms per eviction round"])
     for name, v in d["variants"].items():
-        ms = f"{v['mean_eviction_round_ms']:.2f}" if v.get("mean_eviction_round_ms") is not None else "–"
-        ratio = f"{v['median_ratio_to_plain']:.3f}" if v.get("median_ratio_to_plain") is not None else "–"
-        out.append(f"| {name} | {v['median_tokens_per_s']:.1f} | {ratio} | {v['evictions_per_run']} | {ms} |")
+        out.append(md_row([name, f"{v['median_tokens_per_s']:.1f}", fmt_opt(v, "median_ratio_to_plain", ".3f"),
+                           str(v["evictions_per_run"]), fmt_opt(v, "mean_eviction_round_ms", ".2f")]))
     return "\n".join(out) + "\n"
 
 
@@ -250,8 +274,9 @@ def long_section() -> str:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    out = ["### Long generation", "", "| run | generated tokens | last-interval tok/s | first-interval tok/s | "
-           "RSS at end (MiB) | live cells at end | KV allocated (MiB) |", "|---|---|---|---|---|---|---|"]
+    out = ["### Long generation", "", *md_head(["run", "generated tokens", "last-interval tok/s",
+                                                 "first-interval tok/s", "RSS at end (MiB)", "live cells at end",
+                                                 "KV allocated (MiB)"])]
     for f in files:
         rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
         rows = [r for r in rows if r.get("interval_tokens_per_s")]
@@ -302,9 +327,7 @@ def collapse_section(path: Path) -> str:
            f"{st.get('skip_prompts', 0)}, {st['max_tokens']} tokens, temperature {st['temperature']}, top-p "
            f"{st['top_p']}, seed per prompt shared by every run. Means [95% bootstrap CI over prompts]; paired: "
            "run − full cache on the same prompt and seed [95% paired CI], **bold** = CI excludes 0.", "",
-           "| run | " + " | ".join(c[1] for c in COLLAPSE_COLS) + " | "
-           + " | ".join(f"paired {c[1]}" for c in COLLAPSE_PAIRED) + " |",
-           "|---" * (1 + len(COLLAPSE_COLS) + len(COLLAPSE_PAIRED)) + "|"]
+           *md_head(["run"] + [c[1] for c in COLLAPSE_COLS] + [f"paired {c[1]}" for c in COLLAPSE_PAIRED])]
     for s in order:
         label = "full cache" if s["kv_budget"] is None else f"{s['policy']}@{s['kv_budget']}"
         cells = []
@@ -320,7 +343,7 @@ def collapse_section(path: Path) -> str:
             else:
                 txt = fmt_ci(m, 2, signed=True)
                 cells.append(f"**{txt}**" if m["ci_low"] > 0 or m["ci_high"] < 0 else txt)
-        out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append(md_row([label] + cells))
     return "\n".join(out) + "\n"
 
 
@@ -350,7 +373,9 @@ def main(argv=None) -> int:
         return 2
     head, rest = doc.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    DOC.write_text(head + BEGIN + "\n" + text + "\n" + END + tail)
+    from epikv_local.fileio import write_atomic
+
+    write_atomic(DOC, head + BEGIN + "\n" + text + "\n" + END + tail)
     print(f"updated {DOC} and {FIGS}/")
     return 0
 

@@ -35,9 +35,9 @@ def rss_bytes() -> int:
 def main(argv=None) -> int:
     from epikv_local.api.calibration import resolve_policy
     from epikv_local.api.chat import apply_chat_template, tokenize_prompt
-    from epikv_local.api.generation import GenerationStats, stream_generate
+    from epikv_local.api.generation import stream_generate
     from epikv_local.api.models import default_model_path
-    from epikv_local.api.sampling import SamplingConfig
+    from epikv_local.engine.sampling import SamplingConfig
     from epikv_local.engine.budget import BudgetConfig
     from epikv_local.engine.handles import Model, check_gguf
     from epikv_local.engine.session import Session, SessionConfig
@@ -65,11 +65,11 @@ def main(argv=None) -> int:
     with Model(model_path) as model:
         prompt = tokenize_prompt(model, apply_chat_template(model, "Tell a very long story, chapter after chapter."))
         with Session(model, resolved.policy, budget, SessionConfig(n_threads=args.threads)) as s:
-            stats = GenerationStats(policy=args.policy, kv_budget=args.kv_budget)
-            for piece in stream_generate(s, prompt, args.tokens, SamplingConfig(temperature=args.temperature, seed=1),
-                                         stats=stats, ignore_eog=True):
+            for response in stream_generate(s, prompt, args.tokens,
+                                            SamplingConfig(temperature=args.temperature, seed=1), ignore_eog=True):
+                stats = response.stats
                 n = stats.n_generated_tokens
-                if piece.token >= 0 and (n % args.every == 0 or n == args.warmup):
+                if n % args.every == 0 or n == args.warmup:
                     st = s.stats()
                     samples.append({"tokens": n, "rss_bytes": rss_bytes(), "live_cells": st.n_live,
                                     "n_evicted": st.n_evicted, "seconds": round(time.perf_counter() - t0, 1)})

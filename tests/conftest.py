@@ -49,7 +49,22 @@ def pytest_configure(config):
                                        "the fast lane is `pytest -m \"not model\"`")
 
 
+#: tests that load the model or the native library in a subprocess (no fixture says so): module paths, or
+#: module::test names, relative to tests/
+SUBPROCESS_MODEL_TESTS = (
+    "scripts/test_product_benchmarks.py::test_multiturn", "scripts/test_product_benchmarks.py::test_quant_kv",
+    "scripts/test_product_benchmarks.py::test_evict_scaling",
+    "scripts/test_product_benchmarks.py::test_soak_passes_and_fails",
+    "scripts/test_bench_scripts.py::test_bench_calibration_smoke", "engine/test_llama_cpp_upstream.py",
+    "scripts/test_gpu_check_backend.py",
+)
+TESTS = Path(__file__).resolve().parent
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        rel = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
+        name = f"{rel}::{item.originalname or item.name}"
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or rel in SUBPROCESS_MODEL_TESTS \
+                or name in SUBPROCESS_MODEL_TESTS:
             item.add_marker(pytest.mark.model)

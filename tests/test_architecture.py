@@ -113,3 +113,39 @@ def test_every_package_error_derives_from_epikv_error():
     classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
     assert len(classes) >= 8
     assert all(issubclass(c, errors.EpikvError) for c in classes)
+
+
+def _attribute_uses(path: Path) -> list[ast.Attribute]:
+    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)]
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES if layer(m) != "engine"))
+def test_only_the_engine_calls_llama_samplers_and_imports_cffi(mod):
+    path = PKG.parent / (mod.replace(".", "/") + ("/__init__.py" if (PKG.parent / mod.replace(".", "/")).is_dir()
+                                                   else ".py"))
+    samplers = sorted({a.attr for a in _attribute_uses(path) if a.attr.startswith("llama_sampler_")})
+    assert not samplers, f"{mod} calls {samplers}: the sampler chain lives in engine/sampling.py"
+    cffi = sorted(i for i in MODULES[mod] if i.split(".")[0] == "cffi")
+    assert not cffi, f"{mod} imports cffi: native bindings live in engine/native.py"
+
+
+#: the engine's objects, reached from outside the engine through these attribute names
+ENGINE_OBJECTS = ("engine", "ctx", "capture", "_session", "session")
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES if layer(m) != "engine"))
+def test_nothing_outside_the_engine_touches_its_private_attributes(mod):
+    """``x.engine._alive``, ``session._lock``, ``llm._session.ctx._handle``...: a private name read through an
+    engine object is refused outside engine/ (a module's own ``self._x`` is its business), and so is a
+    Session's eviction engine or capture (``session.engine``, ``session.capture``): callers use its methods."""
+    path = PKG.parent / (mod.replace(".", "/") + ("/__init__.py" if (PKG.parent / mod.replace(".", "/")).is_dir()
+                                                   else ".py"))
+    bad = []
+    for a in _attribute_uses(path):
+        inner = a.value
+        through = inner.attr if isinstance(inner, ast.Attribute) else inner.id if isinstance(inner, ast.Name) else ""
+        private = a.attr.startswith("_") and not a.attr.startswith("__") and through in ENGINE_OBJECTS
+        internal = a.attr in ("engine", "capture") and through in ("session", "_session")  # a Session's parts
+        if private or internal:
+            bad.append(f"{through}.{a.attr} (line {a.lineno})")
+    assert not bad, f"{mod} reaches into the engine's private state: {bad}"

@@ -1,4 +1,5 @@
-"""The product's commands: ``generate``, ``demo`` and ``fetch-model``.
+"""The product's commands: ``generate``, ``demo``, ``fetch-model``, ``serve`` (:mod:`.server`), ``chat``
+(:mod:`.terminal`) and ``rpc-server``.
 
 :func:`add_commands` adds them to the ``epikv-local`` parser (composed in :mod:`epikv_local.cli`). Policy
 settings given on the command line (``--layers``, ``--window``) are handed to the policy registry by name:
@@ -28,7 +29,7 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("-n", "--max-tokens", type=int, default=600 if demo else None,
                    help="stop after this many tokens (default: none for generate, the KV budget bounds memory)")
-    add_budget_args(p, kv_budget=256 if demo else 2048)
+    add_budget_args(p, **({"kv_budget": 256} if demo else {}))  # demo: a budget its 600 tokens overrun
     add_sampling_args(p)
     p.add_argument("--capture", choices=["layer_out", "callback"], default="layer_out", help="capture route of g")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
@@ -55,7 +56,7 @@ def add_commands(sub) -> dict:
     server.add_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server with a KV budget", formatter_class=fmt))
     terminal.add_args(sub.add_parser("chat", help="interactive terminal chat on one budgeted cache",
                                      formatter_class=fmt))
-    rp = sub.add_parser("rpc-server", help="llama.cpp's rpc-server (built with this package): lend this machine's "
+    rp = sub.add_parser("rpc-server", help="llama.cpp's rpc-server (built with this package): offer this machine's "
                                            "backend to another machine's epikv-local --rpc; trusted networks only")
     rp.add_argument("rpc_args", nargs=argparse.REMAINDER, help="its options: -H HOST (default 127.0.0.1), -p PORT, "
                                                                "-t THREADS, -d DEVICES, -c")
@@ -92,16 +93,15 @@ def run_fetch_model(args) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from ..engine.budget import BudgetConfig
     from ..engine.handles import Model, check_gguf
     from ..engine.native import load
-    from ..engine.session import Session, SessionConfig
+    from ..engine.sampling import SamplingConfig
     from ..errors import ConfigError
-    from .calibration import resolve_policy
     from .chat import apply_chat_template, tokenize_prompt
     from .generation import generate
     from .models import default_model_path
-    from .sampling import SamplingConfig
+    from .options import session_kwargs
+    from .session_spec import resolve_session
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -109,15 +109,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--stop takes a non-empty string")
     model_path = default_model_path() if args.cmd == "demo" else check_gguf(args.model)
     prompt = DEMO_PROMPT if args.cmd == "demo" else args.prompt
-    resolved = resolve_policy(args.policy, model_path, {"layers": args.layers, "window": args.window},
-                              kv_budget=args.kv_budget)
-    budget = BudgetConfig(kv_budget=args.kv_budget, n_sink=args.n_sink, n_recent=args.n_recent,
-                          recent_fraction=resolved.recent_fraction, protect_prompt=not args.no_protect_prompt,
-                          evict_chunk=args.evict_chunk)
+    spec = resolve_session(model_path, **session_kwargs(args))
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                               min_p=args.min_p, repeat_penalty=args.repeat_penalty)
-    scfg = SessionConfig(n_batch=args.batch, n_threads=args.threads, capture_route=args.capture,
-                         flash_attn=not args.no_flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v)
     if args.system and not args.chat:
         raise ConfigError("--system needs --chat (the system message goes into the chat template)")
     if args.html_compare and not args.html:
@@ -126,23 +120,22 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.html:  # checks the output path and the comparison policy before anything runs
         from .tokenview import PageBuilder, page_meta
 
-        view = PageBuilder(args.html, args.html_compare, model_path, scfg, kv_budget=args.kv_budget)
+        view = PageBuilder(args.html, args.html_compare, model_path, session_kwargs(args))
     nat = load(verbose=args.verbose)
     with Model(model_path, n_gpu_layers=args.n_gpu_layers, native=nat, rpc_servers=args.rpc) as model:
         text = apply_chat_template(model, prompt, system=args.system) if args.chat else prompt
         tokens = tokenize_prompt(model, text)
         stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-        with Session(model, resolved.policy, budget, scfg, record=view is not None) as session:
+        with spec.open(model, record=view is not None) as session:
             session.check_prompt(len(tokens))
-            if resolved.calibration is not None:  # said once the settings are known to work: errors stay one line
-                print(f"epikv-local: using calibration {resolved.calibration.path}", file=sys.stderr)
+            if spec.calibration is not None:  # said once the settings are known to work: errors stay one line
+                print(f"epikv-local: using calibration {spec.calibration.path}", file=sys.stderr)
             result = generate(session, tokens, args.max_tokens, sampling, tuple(args.stop), on_text=stream,
                               ignore_eog=args.ignore_eos)
             if view is not None:
-                view.add(session, tokens, result, resolved.calibration.path if resolved.calibration else None)
+                view.add(session, tokens, result, spec.calibration.path if spec.calibration else None)
         if view is not None:
-            view.run_compare(model, tokens, budget, scfg, sampling, args.max_tokens, tuple(args.stop),
-                             args.ignore_eos)
+            view.run_compare(model, tokens, sampling, args.max_tokens, tuple(args.stop), args.ignore_eos)
     if view is not None:
         view.write(prompt, page_meta(model_path, sampling, args.chat))
     stats = result.stats.as_dict()

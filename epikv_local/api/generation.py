@@ -1,26 +1,36 @@
 """The generation loop (the only one): ``generate_step`` -> ``stream_generate`` -> ``generate``.
 
 ``generate_step`` yields token ids (prefill, then sample/decode one token at a time, evicting as needed);
-``stream_generate`` turns them into text pieces with stop strings and max tokens; ``generate`` collects the
-text and the statistics. Positions are dense token indices; evicted positions leave holes in the cache, so
-llama-cpp-python's high-level ``Llama`` (which assumes dense positions) is not used. Sampling settings and
-the sampler chain live in :mod:`.sampling`, prompts in :mod:`.chat`.
+``stream_generate`` turns them into :class:`GenerationResponse` items, as mlx-lm's ``stream_generate`` does:
+one per sampled token, each with the text it completed and a snapshot of the generation's and the session's
+statistics; the last one has a ``finish_reason``. ``generate`` collects the text and the statistics of the
+last item. Positions are dense token indices; evicted positions leave holes in the cache, so
+llama-cpp-python's high-level ``Llama`` (which assumes dense positions) is not used. Sampling settings and the
+sampler chain live in :mod:`epikv_local.engine.sampling`, prompts in :mod:`.chat`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
+from ..engine.sampling import Sampler, SamplingConfig
 from ..engine.session import Session
 from ..errors import INTERRUPTED, ConfigError
-from .sampling import Sampler, SamplingConfig
+
+#: why a generation ended: an end-of-generation token, a stop string or ``should_stop``, or ``max_tokens``
+FINISH_REASONS = ("eog", "stop", "max_tokens")
 
 
 @dataclass
 class GenerationStats:
-    """One generation. Units: tokens, cells, bytes, seconds."""
+    """One generation, as of the item that carries it. Units: tokens, cells, bytes, seconds.
+
+    n_evicted / n_rounds-like figures of the session are totals since the session's last reset;
+    ``n_evicted_call`` is the share of ``n_evicted`` that happened during this generation.
+    """
 
     policy: str
     kv_budget: int
@@ -28,6 +38,8 @@ class GenerationStats:
     n_prompt_reused: int = 0  # prompt tokens already in the cache (common prefix with the previous turn)
     n_generated_tokens: int = 0
     n_evicted: int = 0
+    n_evicted_call: int = 0
+    n_live_cells: int = 0
     max_live_cells: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -58,22 +70,45 @@ class GenerationStats:
         return d
 
 
-def generate_step(session: Session, prompt_tokens: list[int], sampler: Sampler,
-                  stats: GenerationStats | None = None, reuse_prefix: bool = False) -> Iterator[int]:
+@dataclass(frozen=True)
+class GenerationResponse:
+    """One item of :func:`stream_generate`: one sampled token.
+
+    token: the token id. The last item of a generation that ended at an end-of-generation token carries that
+        token, which is not part of the generated text or counts (as in mlx-lm).
+    text: the characters this token completed (may be empty: partial UTF-8, or text held back while it could
+        still start a stop string; the last item carries whatever was held).
+    finish_reason: None until the last item: "eog", "stop" (a stop string or ``should_stop``) or "max_tokens".
+    stats: the statistics as of this item (a snapshot: later items do not change it).
+    """
+
+    token: int
+    text: str
+    finish_reason: str | None
+    stats: GenerationStats
+
+    @property
+    def generated(self) -> bool:
+        """Whether ``token`` is part of the generation (False only for a final end-of-generation token)."""
+        return self.finish_reason != "eog"
+
+
+def generate_step(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_prefix: bool = False,
+                  on_prefilled: Callable[[int, float], None] | None = None) -> Iterator[int]:
     """Prefill the prompt, then yield sampled tokens forever (the caller stops). Evicts as needed.
 
     reuse_prefix: keep the longest common prefix of what the session holds and ``prompt_tokens`` and decode
     only the rest (multi-turn chat on one cache; ``Session.rewind_to_prefix``). Without it the session must
-    be fresh (``Session.reset()``).
+    be fresh (``Session.reset()``). on_prefilled(n_reused, seconds) is called once the prompt is in the cache.
     """
     if not prompt_tokens:
         raise ConfigError("the prompt is empty")
     with session.generation():
-        yield from _steps(session, prompt_tokens, sampler, stats, reuse_prefix)
+        yield from _steps(session, prompt_tokens, sampler, reuse_prefix, on_prefilled)
 
 
-def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, stats: GenerationStats | None,
-           reuse_prefix: bool) -> Iterator[int]:
+def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_prefix: bool,
+           on_prefilled) -> Iterator[int]:
     t0 = time.perf_counter()
     if reuse_prefix:
         start = session.rewind_to_prefix(prompt_tokens)
@@ -84,89 +119,112 @@ def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, stats: 
         start = 0
     sampler.accept(prompt_tokens[max(0, len(prompt_tokens) - sampler.history):])
     session.feed(prompt_tokens[start:], is_prompt=True)
-    if stats is not None:
-        stats.prefill_seconds = time.perf_counter() - t0
-        stats.n_prompt_reused = start
+    if on_prefilled is not None:
+        on_prefilled(start, time.perf_counter() - t0)
     while True:
         if INTERRUPTED.is_set():  # a Ctrl-C that Python dropped somewhere (see errors.INTERRUPTED)
             raise KeyboardInterrupt
-        t1 = time.perf_counter()
         tok = session.sample(sampler)
         yield tok
         session.decode_chunk([tok])
-        if stats is not None:
-            stats.decode_seconds += time.perf_counter() - t1
 
 
-@dataclass
-class Piece:
-    """One streamed step: the token and the text it completed (may be empty for partial UTF-8)."""
+class _Text:
+    """Incremental detokenization with stop strings: UTF-8 bytes in, safe text out (text that could still be
+    the start of a stop string is held back until it cannot)."""
 
-    token: int
-    text: str
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=0)
+        self.pending = b""
+        self.text = ""
+        self.emitted = 0  # characters of text already handed out
+
+    def add(self, data: bytes) -> tuple[str, bool]:
+        """(new safe text, whether a stop string completed: the text then ends before it)."""
+        self.pending += data
+        try:
+            piece, self.pending = self.pending.decode("utf-8"), b""
+        except UnicodeDecodeError:
+            piece = ""
+            if len(self.pending) > 8:  # not a character in the making: invalid bytes
+                piece, self.pending = self.pending.decode("utf-8", "replace"), b""
+        self.text += piece
+        # a stop string can only end inside the new piece: search the tail, not the whole text
+        tail0 = max(0, len(self.text) - len(piece) - self.hold)
+        cut = min((k for k in (self.text.find(s, tail0) for s in self.stop) if k >= 0), default=-1)
+        if cut >= 0:
+            out = self.text[self.emitted:cut] if cut > self.emitted else ""
+            self.emitted = max(self.emitted, cut)
+            return out, True
+        safe = len(self.text) - self.hold + 1 if self.hold else len(self.text)
+        if safe > self.emitted:
+            out, self.emitted = self.text[self.emitted:safe], safe
+            return out, False
+        return "", False
+
+    def flush(self) -> str:
+        """The text held back (at the end of a generation that no stop string ended)."""
+        out, self.emitted = self.text[self.emitted:], len(self.text)
+        return out
 
 
 def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int | None,
                     sampling: SamplingConfig = SamplingConfig(), stop: tuple[str, ...] = (),
-                    stats: GenerationStats | None = None, ignore_eog: bool = False, reuse_prefix: bool = False,
-                    should_stop: Callable[[list[int]], bool] | None = None) -> Iterator[Piece]:
-    """Yield text pieces until EOG (unless ignore_eog), a stop string, ``should_stop(tokens so far)`` or
-    ``max_tokens`` (None: no limit; the KV budget bounds memory, not length).
-
-    stats (optional) is filled in place; ``stop_reason`` is "eog", "stop" or "max_tokens"."""
+                    ignore_eog: bool = False, reuse_prefix: bool = False,
+                    should_stop: Callable[[list[int]], bool] | None = None) -> Iterator[GenerationResponse]:
+    """Yield one :class:`GenerationResponse` per sampled token until EOG (unless ignore_eog), a stop string,
+    ``should_stop(tokens so far)`` or ``max_tokens`` (None: no limit; the KV budget bounds memory, not
+    length). The last item's ``finish_reason`` says which; its ``stats.stop_reason`` is the same."""
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ConfigError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
     if any(not isinstance(s, str) or not s for s in stop):
         raise ConfigError(f"stop strings must be non-empty strings, got {list(stop)!r}")
     model = session.model
-    pending = b""
-    text_so_far = ""
-    emitted = 0  # characters of text_so_far already yielded
-    hold = max((len(s) for s in stop), default=0)
+    stats = GenerationStats(policy=session.policy.name, kv_budget=session.budget.kv_budget,
+                            n_prompt_tokens=len(prompt_tokens))
+    evicted_before = 0 if session.closed else session.stats().n_evicted  # a closed one is refused below
+    clock = [0.0]  # when the engine last got control back: decode_seconds counts the engine's time only
+
+    def prefilled(n_reused: int, seconds: float) -> None:
+        stats.n_prompt_reused, stats.prefill_seconds = n_reused, seconds
+        clock[0] = time.perf_counter()
+
+    def snapshot(reason: str | None) -> GenerationStats:
+        st = session.stats()
+        stats.n_evicted, stats.n_evicted_call = st.n_evicted, st.n_evicted - evicted_before
+        stats.n_live_cells, stats.max_live_cells, stats.kv_bytes, stats.n_ctx = st.n_live, st.max_live, \
+            st.kv_bytes, st.n_ctx
+        stats.flash_attn, stats.capture_route, stats.layers = st.flash_attn, st.capture_route, st.layers
+        stats.stop_reason = reason or ""
+        return dataclasses.replace(stats, layers=list(stats.layers))
+
+    text = _Text(tuple(stop))
     generated: list[int] = []
-    with Sampler(model, sampling) as sampler:
-        steps = generate_step(session, prompt_tokens, sampler, stats, reuse_prefix)
-        reason = "max_tokens"
-        for tok in steps:
-            if model.is_eog(tok) and not ignore_eog:
-                reason = "eog"
-                break
-            generated.append(tok)
-            if stats is not None:
+    with session.sampling(sampling) as sampler:
+        steps = generate_step(session, prompt_tokens, sampler, reuse_prefix, prefilled)
+        try:
+            for tok in steps:
+                stats.decode_seconds += time.perf_counter() - clock[0]  # decoding the last token, sampling this
+                if model.is_eog(tok) and not ignore_eog:
+                    yield GenerationResponse(tok, text.flush(), "eog", snapshot("eog"))
+                    return
+                generated.append(tok)
                 stats.n_generated_tokens = len(generated)
-            pending += model.token_bytes(tok)
-            try:
-                piece = pending.decode("utf-8")
-                pending = b""
-            except UnicodeDecodeError:
-                piece = ""
-                if len(pending) > 8:
-                    piece, pending = pending.decode("utf-8", "replace"), b""
-            text_so_far += piece
-            # a stop string can only end inside the new piece: search the tail, not the whole text
-            tail0 = max(0, len(text_so_far) - len(piece) - hold)
-            cut = min((k for k in (text_so_far.find(s, tail0) for s in stop) if k >= 0), default=-1)
-            if cut >= 0:
-                if cut > emitted:
-                    yield Piece(tok, text_so_far[emitted:cut])
-                reason = "stop"
-                break
-            safe = len(text_so_far) - hold + 1 if hold else len(text_so_far)
-            if safe > emitted:
-                yield Piece(tok, text_so_far[emitted:safe])
-                emitted = safe
-            else:
-                yield Piece(tok, "")
-            if should_stop is not None and should_stop(generated):
-                reason = "stop"
-                break
-            if max_tokens is not None and len(generated) >= max_tokens:
-                break
-        if reason != "stop" and emitted < len(text_so_far):
-            yield Piece(-1, text_so_far[emitted:])
-        steps.close()
-    if stats is not None:
-        stats.stop_reason = reason
+                piece, stopped = text.add(model.token_bytes(tok))
+                reason = "stop" if stopped else None
+                if reason is None and should_stop is not None and should_stop(generated):
+                    reason = "stop"
+                if reason is None and max_tokens is not None and len(generated) >= max_tokens:
+                    reason = "max_tokens"
+                if reason is not None and not stopped:
+                    piece += text.flush()
+                yield GenerationResponse(tok, piece, reason, snapshot(reason))
+                if reason is not None:
+                    return
+                clock[0] = time.perf_counter()
+        finally:
+            steps.close()
 
 
 @dataclass
@@ -176,37 +234,18 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def new_stats(session: Session, prompt_tokens: list[int]) -> GenerationStats:
-    return GenerationStats(policy=session.policy.name, kv_budget=session.budget.kv_budget,
-                           n_prompt_tokens=len(prompt_tokens))
-
-
-def fill_session_stats(stats: GenerationStats, session: Session) -> None:
-    """Copy the session's eviction and memory figures into ``stats``."""
-    st = session.stats()
-    stats.n_evicted = st.n_evicted
-    stats.max_live_cells = st.max_live
-    stats.kv_bytes = st.kv_bytes
-    stats.n_ctx = st.n_ctx
-    stats.flash_attn = st.flash_attn
-    stats.capture_route = st.capture_route
-    stats.layers = st.layers
-
-
 def generate(session: Session, prompt_tokens: list[int], max_tokens: int | None,
              sampling: SamplingConfig = SamplingConfig(), stop: tuple[str, ...] = (),
              on_text=None, ignore_eog: bool = False, reuse_prefix: bool = False) -> GenerationResult:
     """Run stream_generate to the end; on_text(piece) is called for each text piece (streaming output)."""
-    stats = new_stats(session, prompt_tokens)
     parts: list[str] = []
     tokens: list[int] = []
-    for piece in stream_generate(session, prompt_tokens, max_tokens, sampling, stop, stats, ignore_eog,
-                                 reuse_prefix):
-        if piece.token >= 0:
-            tokens.append(piece.token)
-        if piece.text:
-            parts.append(piece.text)
+    last = None
+    for last in stream_generate(session, prompt_tokens, max_tokens, sampling, stop, ignore_eog, reuse_prefix):
+        if last.generated:
+            tokens.append(last.token)
+        if last.text:
+            parts.append(last.text)
             if on_text:
-                on_text(piece.text)
-    fill_session_stats(stats, session)
-    return GenerationResult("".join(parts), tokens, stats)
+                on_text(last.text)
+    return GenerationResult("".join(parts), tokens, last.stats)

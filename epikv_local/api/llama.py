@@ -21,24 +21,23 @@ import contextlib
 import fnmatch
 import os
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..engine.budget import BudgetConfig
-from ..engine.handles import KV_TYPES, Closing, Model
+from ..engine.budget import DEFAULT_KV_BUDGET
+from ..engine.handles import Closing, Model
 from ..engine.native import load
-from ..engine.session import Session, SessionConfig
+from ..engine.sampling import MAX_SEED, SamplingConfig
+from ..engine.session import Session
 from ..errors import ConfigError, ModelError
-from . import responses as R
-from .calibration import resolve_policy
+from . import responses
 from .chat import flatten_text_parts
-from .generation import GenerationStats, fill_session_stats, new_stats, stream_generate
+from .generation import GenerationStats, stream_generate
 from .reasoning import FORMATS, ReasoningSplitter, prompt_opens_thinking, split_reasoning
-from .sampling import MAX_SEED, SamplingConfig
-
-#: the budget when neither kv_budget nor n_ctx is given (KV cells)
-DEFAULT_KV_BUDGET = 4096
+from .responses import ChunkStep
+from .session_spec import resolve_session
 #: sampling defaults for reasoning models (DeepSeek-R1 / Qwen3 model cards) when the caller sets none
 REASONING_TEMPERATURE, REASONING_TOP_P = 0.6, 0.95
 #: llama.cpp's "pick a random seed"
@@ -53,21 +52,6 @@ IGNORED_ARGS = frozenset({
     "defrag_thold", "f16_kv"})
 #: chat roles accepted in messages
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-
-
-def _kv_type(value, what: str) -> str:
-    """A KV cache type given as a name ("q8_0") or as llama-cpp-python's GGML_TYPE_* integer."""
-    if value is None:
-        return "f16"
-    if isinstance(value, str) and value in KV_TYPES:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        import llama_cpp
-
-        for name, (const, _) in KV_TYPES.items():
-            if getattr(llama_cpp, const, None) == value:
-                return name
-    raise ConfigError(f"{what} must be one of {', '.join(KV_TYPES)} (or its GGML_TYPE_* value), got {value!r}")
 
 
 def check_messages(messages) -> None:
@@ -156,22 +140,17 @@ class Llama(Closing):
         self.reasoning_format = reasoning_format
         self._lock = threading.Lock()
         self._generation = 0  # bumped by every call: an older stream still being read is cut off
-        self.last_stats: GenerationStats | None = None
-        self._call_evicted = 0
-        self._last_rendered = ""
-        resolved = resolve_policy(kv_policy, model_path if Path(model_path).is_file() else None,
-                                  kv_policy_settings, kv_budget=kv_budget)
-        budget = BudgetConfig(kv_budget=kv_budget, n_sink=n_sink, n_recent=n_recent,
-                              recent_fraction=resolved.recent_fraction if recent_fraction is None else recent_fraction,
-                              protect_prompt=protect_prompt, evict_chunk=evict_chunk)
-        scfg = SessionConfig(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, capture_route=capture_route,
-                             type_k=_kv_type(type_k, "type_k"), type_v=_kv_type(type_v, "type_v"))
-        self.calibration = resolved.calibration
+        spec = resolve_session(
+            model_path, kv_budget=kv_budget, kv_policy=kv_policy, kv_policy_settings=kv_policy_settings,
+            n_sink=n_sink, n_recent=n_recent, recent_fraction=recent_fraction, protect_prompt=protect_prompt,
+            evict_chunk=evict_chunk, n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn,
+            capture_route=capture_route, type_k=type_k, type_v=type_v)
+        self.calibration = spec.calibration
         with contextlib.ExitStack() as stack:
             nat = load(verbose=verbose)
             self._model = stack.enter_context(Model(model_path, n_gpu_layers=n_gpu_layers, native=nat,
                                                     rpc_servers=rpc_servers))
-            self._session = stack.enter_context(Session(self._model, resolved.policy, budget, scfg))
+            self._session = stack.enter_context(spec.open(self._model))
             self._stack = stack.pop_all()
         self.chat_format, self.chat_handler = self._chat_handler(chat_format, chat_handler)
 
@@ -242,8 +221,7 @@ class Llama(Closing):
         if not isinstance(text, (bytes, bytearray)):
             raise ConfigError(f"tokenize takes bytes or str, got {type(text).__name__}")
         self.session
-        self._last_rendered = text.decode("utf-8", "replace")  # the chat handlers tokenize the rendered prompt
-        return self._model.tokenize(self._last_rendered, add_special=add_bos, parse_special=special)
+        return self._model.tokenize(text.decode("utf-8", "replace"), add_special=add_bos, parse_special=special)
 
     def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
         """Token ids -> UTF-8 bytes, as ``llama_cpp.Llama.detokenize``."""
@@ -332,6 +310,31 @@ class Llama(Closing):
         """Complete ``prompt`` (text or token ids). Returns a completion dict, or an iterator of chunks with
         ``stream=True``. Sampling defaults suit reasoning models (temperature 0.6, top-p 0.95) and
         ``max_tokens=None`` lets the generation run to its end: the KV budget bounds memory, not length."""
+        steps = self.completion_steps(
+            prompt, suffix=suffix, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
+            typical_p=typical_p, logprobs=logprobs, echo=echo, stop=stop, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k, seed=seed, tfs_z=tfs_z,
+            mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
+            stopping_criteria=stopping_criteria, logits_processor=logits_processor, grammar=grammar,
+            logit_bias=logit_bias)
+        if stream:
+            return (step.chunk for step in steps)
+        return self._completion_from(steps)
+
+    __call__ = create_completion
+
+    def completion_steps(self, prompt: str | list[int], suffix: str | None = None, max_tokens: int | None = None,
+                         temperature: float | None = None, top_p: float | None = None, min_p: float = 0.05,
+                         typical_p: float = 1.0, logprobs: int | None = None, echo: bool = False,
+                         stop: str | list[str] | None = None, frequency_penalty: float = 0.0,
+                         presence_penalty: float = 0.0, repeat_penalty: float = 1.0, top_k: int = 40,
+                         seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                         mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+                         stopping_criteria=None, logits_processor=None, grammar=None,
+                         logit_bias=None) -> Iterator[ChunkStep]:
+        """``create_completion(..., stream=True)`` with the statistics: an iterator of :class:`ChunkStep`
+        (the stream chunk and the generation's statistics as of it). The prompt is decoded and the first
+        token sampled at the call, so bad input and a prompt that does not fit the budget raise here."""
         self._refuse(suffix=suffix, logprobs=logprobs is not None, grammar=grammar is not None,
                      logits_processor=logits_processor is not None, mirostat=mirostat_mode)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
@@ -358,72 +361,42 @@ class Llama(Closing):
             self._generation += 1
             generation = self._generation
             self._close_active()
-        model_name = model or self.model_path
         should_stop = _criteria(stopping_criteria, tokens, session) if stopping_criteria is not None else None
-        # primed: bad input and a prompt that cannot fit the budget raise here, not at the first next()
-        raw = self._generate(tokens, max_tokens, sampling, tuple(stops), should_stop, generation)
-        self._active = raw
-        gen = self._primed(raw)
-        cid = R.new_id()
+        items = stream_generate(session, tokens, max_tokens, sampling, tuple(stops), reuse_prefix=True,
+                                should_stop=should_stop)
         echo_text = (prompt_text if prompt_text is not None else self.detokenize(tokens).decode("utf-8", "replace")
                      ) if echo else ""
-        if stream:
-            return self._stream_completion(gen, cid, model_name, echo_text)
-        text = echo_text + "".join(gen)
-        st = self.last_stats
-        return R.completion(cid, model_name, text, R.finish_reason(st.stop_reason),
-                            R.usage(len(tokens), st.n_generated_tokens), self._extension(st))
+        steps = _primed(self._completion_chunks(items, model or self.model_path, echo_text, generation))
+        self._active = steps
+        return steps
 
-    __call__ = create_completion
-
-    def _generate(self, tokens, max_tokens, sampling, stops, should_stop, generation) -> Iterator[str]:
-        """Text pieces of one generation; fills ``self.last_stats`` (and the call's evictions) when done."""
-        session = self.session
-        stats = new_stats(session, tokens)
-        before = session.stats().n_evicted
-        try:
-            for piece in stream_generate(session, tokens, max_tokens, sampling, stops, stats, reuse_prefix=True,
-                                         should_stop=should_stop):
-                if generation != self._generation:
-                    raise ConfigError("this stream was superseded by a newer call on the same Llama")
-                if piece.text:
-                    yield piece.text
-        finally:
-            if not session.closed:
-                fill_session_stats(stats, session)
-            self._call_evicted = stats.n_evicted - before
-            self.last_stats = stats
+    def _completion_chunks(self, items, model_name: str, echo_text: str, generation: int) -> Iterator[ChunkStep]:
+        """Stream chunks of one generation: a start chunk (with the echo) once the first token is sampled, one
+        chunk per text piece, and a final chunk with the finish reason and the statistics."""
+        cid, created = responses.new_id(), int(time.time())
+        first = True
+        for r in items:
+            if generation != self._generation:
+                raise ConfigError("this stream was superseded by a newer call on the same Llama")
+            if first:  # the prompt is in the cache and the first token sampled: the stream starts
+                yield ChunkStep(responses.completion_chunk(cid, created, model_name, echo_text), r.stats)
+                first = False
+            if r.text:
+                yield ChunkStep(responses.completion_chunk(cid, created, model_name, r.text), r.stats)
+            if r.finish_reason is not None:
+                reason = responses.finish_reason(r.finish_reason)
+                final = responses.completion_chunk(cid, created, model_name, "", reason, extension(r.stats))
+                yield ChunkStep(final, r.stats)
 
     @staticmethod
-    def _primed(it: Iterator) -> Iterator:
-        """Run an iterator to its first item now, so that bad input and a prompt that does not fit the budget
-        raise at the call, not at the first ``next()``; the item is replayed."""
-        sentinel = object()
-        first = next(it, sentinel)
-
-        def replay():
-            if first is not sentinel:
-                yield first
-            yield from it
-        return replay()
-
-    def _stream_completion(self, gen, cid, model_name, echo_text) -> Iterator[dict]:
-        import time
-
-        created = int(time.time())
-        yield R.completion_chunk(cid, created, model_name, echo_text)  # start (and echo) before the first token
-        for text in gen:
-            yield R.completion_chunk(cid, created, model_name, text)
-        st = self.last_stats
-        yield R.completion_chunk(cid, created, model_name, "", R.finish_reason(st.stop_reason), self._extension(st))
-
-    def _extension(self, st: GenerationStats) -> dict:
-        s = self.session.stats()
-        return {"policy": st.policy, "kv_budget": st.kv_budget, "live_cells": s.n_live, "max_live_cells": s.max_live,
-                "n_evicted": self._call_evicted, "n_evicted_total": s.n_evicted,
-                "kv_bytes": s.kv_bytes, "n_ctx": s.n_ctx, "flash_attn": s.flash_attn,
-                "prompt_tokens_reused": st.n_prompt_reused, "prompt_tokens_decoded": st.n_prompt_decoded,
-                "decode_tokens_per_s": round(st.decode_tokens_per_s, 3)}
+    def _completion_from(steps: Iterator[ChunkStep]) -> dict:
+        """A ``text_completion`` from the steps of one completion stream."""
+        text, last = [], None
+        for last in steps:
+            text.append(last.chunk["choices"][0]["text"])
+        chunk, st = last.chunk, last.stats
+        return responses.completion(chunk["id"], chunk["model"], "".join(text), chunk["choices"][0]["finish_reason"],
+                            responses.usage(st.n_prompt_tokens, st.n_generated_tokens), extension(st))
 
     # -- chat --------------------------------------------------------------------------------------------------------
     def create_chat_completion(self, messages: list[dict], functions=None, function_call=None, tools=None,
@@ -438,6 +411,36 @@ class Llama(Closing):
         """A chat turn in OpenAI's shape (``choices[0].message`` or streamed ``delta``s), rendered by the chat
         handler of this model; reasoning is split into ``reasoning_content``. The conversation's common prefix
         with the previous call stays in the cache."""
+        kwargs = dict(functions=functions, function_call=function_call, tools=tools, tool_choice=tool_choice,
+                      temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
+                      stop=stop, seed=seed, response_format=response_format, max_tokens=max_tokens,
+                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                      repeat_penalty=repeat_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                      mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
+                      logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias, logprobs=logprobs,
+                      top_logprobs=top_logprobs)
+        if stream:
+            return (step.chunk for step in self.chat_completion_steps(messages, **kwargs))
+        call, out = self._run_chat_handler(messages, stream=False, **kwargs)
+        msg = out["choices"][0]["message"]
+        if self.reasoning_format == "deepseek":
+            reasoning, content = split_reasoning(msg.get("content") or "", call.opens_thinking)
+            msg["content"] = content
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+        out[responses.EXTENSION] = extension(call.stats)
+        return out
+
+    def chat_completion_steps(self, messages: list[dict], **kwargs) -> Iterator[ChunkStep]:
+        """``create_chat_completion(..., stream=True)`` with the statistics: an iterator of :class:`ChunkStep`
+        (the chat stream chunk and the generation's statistics as of it); the same keyword arguments."""
+        call, chunks = self._run_chat_handler(messages, stream=True, **kwargs)
+        return self._chat_chunks(chunks, call)
+
+    def _run_chat_handler(self, messages, stream: bool, tools=None, functions=None, logprobs=None,
+                          response_format=None, **kwargs):
+        """Check the messages, render and start the turn through the chat handler: (the call's record, the
+        handler's response or chunk iterator)."""
         check_messages(messages)
         # content given as text parts is joined (as llama-server does): chat templates expect strings
         messages = [flatten_text_parts(m) for m in messages]
@@ -445,45 +448,94 @@ class Llama(Closing):
             raise ConfigError(f"response_format must be a dict like {{'type': 'text'}}, got {response_format!r}")
         self._refuse(tools=tools or functions, logprobs=logprobs, response_format=response_format is not None
                      and response_format.get("type") not in (None, "text"))
-        self._last_rendered = ""
-        out = self.chat_handler(
-            llama=self, messages=messages, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            typical_p=typical_p, stream=stream, stop=stop, seed=seed, max_tokens=max_tokens,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
-            tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
-            model=model, logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
-        opens = prompt_opens_thinking(self._last_rendered)
-        if stream:
-            return self._stream_chat(out, opens)
-        msg = out["choices"][0]["message"]
-        if self.reasoning_format == "deepseek":
-            reasoning, content = split_reasoning(msg.get("content") or "", opens)
-            msg["content"] = content
-            if reasoning:
-                msg["reasoning_content"] = reasoning
-        out[R.EXTENSION] = self._extension(self.last_stats)
-        return out
+        call = _HandlerCall(self)
+        out = self.chat_handler(llama=call, messages=messages, stream=stream, tools=tools, functions=functions,
+                                **{k: v for k, v in kwargs.items() if k != "top_logprobs"})
+        return call, out
 
-    def _stream_chat(self, chunks: Iterator[dict], opens: bool) -> Iterator[dict]:
-        splitter = ReasoningSplitter(opens) if self.reasoning_format == "deepseek" else None
-        for chunk in chunks:
-            choice = chunk["choices"][0]
-            delta = choice.get("delta") or {}
-            if choice.get("finish_reason") is not None:
-                if splitter is not None:
-                    reasoning, content = splitter.flush()
-                    yield from self._deltas(chunk, reasoning, content)
-                chunk[R.EXTENSION] = self._extension(self.last_stats)
-                yield chunk
-            elif "content" in delta and splitter is not None:
-                reasoning, content = splitter.feed(delta["content"] or "")
-                yield from self._deltas(chunk, reasoning, content)
-            else:
-                yield chunk
+    def _chat_chunks(self, chunks: Iterator[dict], call: "_HandlerCall") -> Iterator[ChunkStep]:
+        splitter = ReasoningSplitter(call.opens_thinking) if self.reasoning_format == "deepseek" else None
+        try:
+            for chunk in chunks:
+                choice = chunk["choices"][0]
+                delta = choice.get("delta") or {}
+                if choice.get("finish_reason") is not None:
+                    if splitter is not None:
+                        reasoning, content = splitter.flush()
+                        yield from self._deltas(chunk, reasoning, content, call.stats)
+                    chunk[responses.EXTENSION] = extension(call.stats)
+                    yield ChunkStep(chunk, call.stats)
+                elif "content" in delta and splitter is not None:
+                    reasoning, content = splitter.feed(delta["content"] or "")
+                    yield from self._deltas(chunk, reasoning, content, call.stats)
+                else:
+                    yield ChunkStep(chunk, call.stats)
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
 
     @staticmethod
-    def _deltas(template: dict, reasoning: str, content: str) -> Iterator[dict]:
+    def _deltas(template: dict, reasoning: str, content: str, stats: GenerationStats) -> Iterator[ChunkStep]:
         if reasoning:
-            yield R.chat_delta_chunk(template, {"reasoning_content": reasoning})
+            yield ChunkStep(responses.chat_delta_chunk(template, {"reasoning_content": reasoning}), stats)
         if content:
-            yield R.chat_delta_chunk(template, {"content": content})
+            yield ChunkStep(responses.chat_delta_chunk(template, {"content": content}), stats)
+
+
+class _HandlerCall:
+    """One chat call's view of the Llama, handed to llama-cpp-python's chat handler as its ``llama``.
+
+    The handler renders the prompt with the model's formatter and completes it through this object's
+    :meth:`create_completion`, which is where the rendered text is known: it is kept here, with the
+    statistics of each step of the completion, for this call only (nothing is stored on the Llama). Every
+    other attribute is the Llama's.
+    """
+
+    def __init__(self, llama: Llama):
+        self._llama = llama
+        self.opens_thinking = False  # the rendered prompt ends inside an open <think> block
+        self.stats: GenerationStats | None = None  # as of the last step the handler read
+
+    def __getattr__(self, name: str):
+        return getattr(self._llama, name)
+
+    def create_completion(self, prompt, stream: bool = False, **kwargs):
+        text = prompt if isinstance(prompt, str) else self._llama.detokenize(list(prompt), special=True).decode(
+            "utf-8", "replace")
+        self.opens_thinking = prompt_opens_thinking(text)
+        steps = self._recorded(self._llama.completion_steps(prompt, **kwargs))
+        return steps if stream else Llama._completion_from(ChunkStep(c, self.stats) for c in steps)
+
+    def _recorded(self, steps: Iterator[ChunkStep]) -> Iterator[dict]:
+        try:
+            for step in steps:
+                self.stats = step.stats
+                yield step.chunk
+        finally:
+            steps.close()
+
+
+def extension(st: GenerationStats) -> dict:
+    """The ``"epikv"`` statistics of a call's final response or chunk, from its statistics."""
+    return {"policy": st.policy, "kv_budget": st.kv_budget, "live_cells": st.n_live_cells,
+            "max_live_cells": st.max_live_cells, "n_evicted": st.n_evicted_call, "n_evicted_total": st.n_evicted,
+            "kv_bytes": st.kv_bytes, "n_ctx": st.n_ctx, "flash_attn": st.flash_attn,
+            "prompt_tokens_reused": st.n_prompt_reused, "prompt_tokens_decoded": st.n_prompt_decoded,
+            "decode_tokens_per_s": round(st.decode_tokens_per_s, 3)}
+
+
+def _primed(it: Iterator) -> Iterator:
+    """Run an iterator to its first item now, so that bad input and a prompt that does not fit the budget
+    raise at the call, not at the first ``next()``; the item is replayed. Closing the result closes ``it``."""
+    sentinel = object()
+    first = next(it, sentinel)
+
+    def replay():
+        try:
+            if first is not sentinel:
+                yield first
+            yield from it
+        finally:
+            it.close()
+    return replay()

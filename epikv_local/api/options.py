@@ -1,5 +1,5 @@
 """The command-line options that ``generate``, ``serve`` and ``chat`` share (llama.cpp's names), in one place,
-and their translation into ``epikv_local.Llama`` arguments.
+and their translation into the keyword arguments of ``resolve_session`` / ``epikv_local.Llama``.
 
 Importing this module loads nothing native (the CLI builds its parser from it).
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..engine.budget import DEFAULT_KV_BUDGET
 from ..policies import REGISTRY
 
 
@@ -40,7 +41,7 @@ def add_model_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
 
 
-def add_budget_args(p: argparse.ArgumentParser, kv_budget: int = 2048) -> None:
+def add_budget_args(p: argparse.ArgumentParser, kv_budget: int = DEFAULT_KV_BUDGET) -> None:
     """--kv-budget, --policy, the budget's protection and the policy settings --layers / --window."""
     attn = sorted(n for n, s in REGISTRY.items() if s.cls.needs_attention)
     p.add_argument("--kv-budget", type=int, default=kv_budget, help="maximum live KV cells")
@@ -71,11 +72,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def session_kwargs(args: argparse.Namespace) -> dict:
+    """``resolve_session`` keyword arguments (the names of ``Llama``'s constructor) from the options above."""
+    return dict(kv_budget=args.kv_budget, kv_policy=args.policy,
+                kv_policy_settings={"layers": args.layers, "window": args.window}, n_sink=args.n_sink,
+                n_recent=args.n_recent, protect_prompt=not args.no_protect_prompt, evict_chunk=args.evict_chunk,
+                n_batch=args.batch, n_threads=args.threads, flash_attn=not args.no_flash_attn,
+                type_k=args.cache_type_k, type_v=args.cache_type_v,
+                capture_route=getattr(args, "capture", "layer_out"))
+
+
 def llama_kwargs(args: argparse.Namespace) -> dict:
-    """``epikv_local.Llama`` keyword arguments from the options above."""
-    return dict(model_path=args.model, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc,
-                type_k=args.cache_type_k, type_v=args.cache_type_v, flash_attn=not args.no_flash_attn,
-                n_threads=args.threads, n_batch=args.batch, verbose=args.verbose, kv_budget=args.kv_budget,
-                kv_policy=args.policy, kv_policy_settings={"layers": args.layers, "window": args.window},
-                n_sink=args.n_sink, n_recent=args.n_recent, protect_prompt=not args.no_protect_prompt,
-                evict_chunk=args.evict_chunk)
+    """``epikv_local.Llama`` keyword arguments from the options above: the model's and the session's."""
+    return dict(model_path=args.model, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, verbose=args.verbose,
+                **session_kwargs(args))

@@ -10,9 +10,22 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 #: the extension field's name
 EXTENSION = "epikv"
+
+
+@dataclass(frozen=True)
+class ChunkStep:
+    """One item of a ``Llama`` stream with its statistics: ``chunk`` is the OpenAI stream chunk (a dict, as
+    ``stream=True`` yields it) and ``stats`` the generation's ``GenerationStats`` as of this chunk (prompt and
+    generated tokens, evictions, live cells, timings). Front doors that report statistics (the server, the
+    terminal chat) read them here rather than from the Llama."""
+
+    chunk: dict
+    stats: Any
 
 
 def new_id() -> str:

@@ -95,12 +95,15 @@ class Answer:
     reasoning: str = ""
     finish_reason: str | None = None
     extension: dict = field(default_factory=dict)  # the chunk's "epikv" statistics (last chunk only)
+    stats: object = None  # GenerationStats as of the last chunk read (a ChunkStep stream's), even when stopped
     interrupted: bool = False
 
 
 def render(chunks: Iterable[dict], out: TextIO, *, show_reasoning: bool = True, color: bool = False,
            should_stop: Callable[[], bool] | None = None, answer: Answer | None = None) -> Answer:
-    """Write OpenAI chat stream chunks to ``out`` as they arrive and return what they said.
+    """Write OpenAI chat stream chunks to ``out`` as they arrive and return what they said. The items may
+    also be ``ChunkStep``s (a chunk with its statistics, ``Llama.chat_completion_steps``): the answer then
+    keeps the statistics of the last one read.
 
     ``content`` deltas are written as they are; ``reasoning_content`` deltas are dimmed (``color``), framed
     by ``<think>`` / ``</think>`` lines (no colour) or skipped (``show_reasoning=False``); they are collected
@@ -135,6 +138,9 @@ def render(chunks: Iterable[dict], out: TextIO, *, show_reasoning: bool = True, 
 
     try:
         for chunk in chunks:
+            if not isinstance(chunk, dict):  # a ChunkStep
+                answer.stats = chunk.stats if chunk.stats is not None else answer.stats
+                chunk = chunk.chunk
             choice = (chunk.get("choices") or [{}])[0]
             delta = choice.get("delta") or {}
             reasoning, content = delta.get("reasoning_content") or "", delta.get("content") or ""
@@ -240,7 +246,7 @@ class Chat:
         answer, failed = Answer(), False
         with _StopRequests() as stop:
             try:
-                chunks = self.llm.create_chat_completion(self.messages() + [question], stream=True, **self.sampling)
+                chunks = self.llm.chat_completion_steps(self.messages() + [question], **self.sampling)
                 try:
                     render(chunks, self.out, show_reasoning=not self.args.hide_reasoning, color=self.color,
                            should_stop=lambda: stop.count > 0, answer=answer)
@@ -260,7 +266,7 @@ class Chat:
                       "conversation again)")
         if failed:
             return
-        self.last = None if hard else self.llm.last_stats  # a hard stop's statistics describe a cleared cache
+        self.last = None if hard else answer.stats  # a hard stop's statistics describe a cleared cache
         if answer.interrupted and not answer.content:
             return  # nothing of an answer to keep: forget the question too
         self.history = self.history + [question, {"role": "assistant", "content": answer.content}]
@@ -319,7 +325,7 @@ def read_message(prompt: str = PROMPT) -> str:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    from .sampling import SamplingConfig
+    from ..engine.sampling import SamplingConfig
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")

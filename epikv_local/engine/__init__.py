@@ -4,8 +4,9 @@ Owns the native bindings (:mod:`.native`: cffi declarations mirroring the patche
 ``native/epikv_capture.h``, C return codes turned into exceptions), the model and context handles
 (:mod:`.handles`), the capture plan that turns a policy's declared signals into native capture
 (:mod:`.capture`), the one selection step (:mod:`.selection`), the budget engine (:mod:`.budget`), the
-session that ties them together (:mod:`.session`) and the ``KVContext`` protocol the engine expects of a
-context (:mod:`.protocol`).
+llama.cpp sampler chain (:mod:`.sampling`), the session that ties them together (:mod:`.session`), saving and
+restoring a session's sequence (:mod:`.state`) and the ``KVContext`` protocol the engine expects of a context
+(:mod:`.protocol`).
 
 May import: numpy, cffi, llama_cpp (ctypes bindings only, loaded by :func:`.native.load`),
 :mod:`epikv_local.policies` (the scorer contract and scoring math) and :mod:`epikv_local.errors`.

@@ -3,12 +3,17 @@
 Positions are the original token indices (0, 1, 2, ...): evicted positions leave holes, RoPE positions of the
 kept tokens never change. Before a batch of ``n`` tokens is decoded, :meth:`EvictionEngine.make_room` evicts
 so that ``live + n <= kv_budget``: live cells never exceed the budget. Evictions go through the shared
-selection step with the policy's scores and the protection mask (first ``n_sink`` tokens, the ``n_recent``
-newest tokens, and the prompt when ``protect_prompt``), ``evict_chunk`` (or more, if needed) at a time,
+selection step with the policy's scores and the protection mask (first ``n_sink`` tokens, the recent window
+of the newest tokens, and the prompt when ``protect_prompt``), ``evict_chunk`` (or more, if needed) at a time,
 removed from llama.cpp in one call (``llama_memory_seq_rm_pos``).
 
 All budget arithmetic lives here: the context size a budget needs (:func:`context_cells`), the prefill chunk
 that leaves the protected cells room, and the recent window in effect once a protected prompt is known.
+
+One name per idea: the *recent window* is the count of newest positions never evicted. It is set by
+``n_recent`` (cells) or, when that is None, by ``recent_fraction`` (a share of the budget); the number in
+effect is ``recent_window`` (``BudgetConfig.recent_window`` as configured, ``EvictionEngine.recent_window``
+once a protected prompt has shrunk it).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from ..policies.base import Policy
 from .protocol import KVContext
 from .selection import protected_mask, select_evictions
 
+#: the KV budget (cells) when none is given: the same for the Python API, the CLI, the server and the chat
+DEFAULT_KV_BUDGET = 4096
 #: default share of the budget kept for the newest tokens (see BudgetConfig.recent_fraction)
 DEFAULT_RECENT_FRACTION = 0.5
 #: llama.cpp holds cell counts in int32
@@ -44,7 +51,8 @@ class BudgetConfig:
 
     kv_budget: maximum live KV cells of the sequence.
     n_sink: the first n_sink positions are never evicted.
-    n_recent: the n_recent newest positions are never evicted; None = round(recent_fraction * kv_budget), which
+    n_recent: the recent window in cells (the newest positions, never evicted); None = round(recent_fraction *
+        kv_budget), which
         shrinks to what a protected prompt leaves (an explicit n_recent that does not fit is an error).
     recent_fraction: default share of the budget kept for recent tokens (0.5: the reference measurement in
         docs/calibration.md found EPIKV worse than trivial baselines with a small recent window).
@@ -70,13 +78,14 @@ class BudgetConfig:
         rf = self.recent_fraction
         if isinstance(rf, bool) or not isinstance(rf, (int, float)) or not 0.0 <= rf < 1.0:
             raise BudgetError(f"recent_fraction must be in [0, 1), got {self.recent_fraction!r}")
-        if self.n_sink + self.recent + 1 > self.kv_budget:
+        if self.n_sink + self.recent_window + 1 > self.kv_budget:
             raise BudgetError(
                 f"kv_budget {self.kv_budget} is too small for the protected tokens: n_sink {self.n_sink} + "
-                f"n_recent {self.recent} + at least 1 evictable cell")
+                f"the recent window {self.recent_window} + at least 1 evictable cell")
 
     @property
-    def recent(self) -> int:
+    def recent_window(self) -> int:
+        """The recent window as configured (cells): ``n_recent``, or ``recent_fraction`` of the budget."""
         return self.n_recent if self.n_recent is not None else int(round(self.recent_fraction * self.kv_budget))
 
 
@@ -114,7 +123,7 @@ class EvictionEngine:
         self.n_live = 0
         self.newest = -1
         self.prompt_end: int | None = None
-        self.recent = cfg.recent  # protected recent window in effect (see begin_prompt)
+        self.recent_window = cfg.recent_window  # in effect: a protected prompt can shrink it (begin_prompt)
         self.stats = EngineStats()
 
     # -- bookkeeping --------------------------------------------------------------------------------------
@@ -137,20 +146,20 @@ class EvictionEngine:
         """Tokens per decode during prefill: n_batch, but small enough to leave the protected cells room."""
         if not self.policy.evicts:
             return n_batch
-        room = self.cfg.kv_budget - self.cfg.n_sink - self.recent
+        room = self.cfg.kv_budget - self.cfg.n_sink - self.recent_window
         return max(1, min(n_batch, room))
 
     def begin_prompt(self, start: int, n_prompt: int) -> None:
         """A prompt of n_prompt tokens will be decoded from position ``start``: check that it fits (with the
         prompt protected), size the recent window and protect the prompt. BudgetError if it cannot fit."""
-        self.recent = self.recent_window(n_prompt)
+        self.recent_window = self.window_for_prompt(n_prompt)
         self.prompt_end = start + n_prompt
 
     def check_prompt(self, n_prompt: int) -> None:
         """Raise BudgetError if a prompt of n_prompt tokens cannot fit (changes nothing)."""
-        self.recent_window(n_prompt)
+        self.window_for_prompt(n_prompt)
 
-    def recent_window(self, n_prompt: int) -> int:
+    def window_for_prompt(self, n_prompt: int) -> int:
         """The recent window in effect with a protected prompt of n_prompt tokens: a window derived from
         ``recent_fraction`` shrinks to what the prompt leaves; BudgetError when the prompt cannot fit."""
         cfg = self.cfg
@@ -158,18 +167,18 @@ class EvictionEngine:
             if n_prompt > cfg.kv_budget:
                 raise BudgetError(f"prompt of {n_prompt} tokens exceeds kv_budget {cfg.kv_budget} "
                                   "with policy 'none' (no eviction)")
-            return cfg.recent
+            return cfg.recent_window
         if not cfg.protect_prompt:
-            return cfg.recent
+            return cfg.recent_window
         room = cfg.kv_budget - cfg.n_sink - n_prompt - 1  # cells left for the recent window
         if cfg.n_recent is None and room >= 1:
-            return min(cfg.recent, room)
-        if n_prompt + cfg.recent + 1 > cfg.kv_budget or room < 1:
+            return min(cfg.recent_window, room)
+        if n_prompt + cfg.recent_window + 1 > cfg.kv_budget or room < 1:
             raise BudgetError(
-                f"prompt of {n_prompt} tokens plus the recent window of {cfg.recent} does not fit "
+                f"prompt of {n_prompt} tokens plus the recent window of {cfg.recent_window} does not fit "
                 f"kv_budget {cfg.kv_budget} while the prompt is protected; raise the budget or stop "
                 "protecting the prompt (--no-protect-prompt)")
-        return cfg.recent
+        return cfg.recent_window
 
     def truncate(self, pos: int) -> int:
         """Drop every position >= pos from the cache and the bookkeeping (a rewind, e.g. to the common prefix
@@ -191,11 +200,50 @@ class EvictionEngine:
     def protected(self, positions: np.ndarray, incoming: int = 0) -> np.ndarray:
         """Protection mask of live positions. incoming > 0 counts the recent window from the newest position
         *after* that many new tokens (the window slides over them)."""
-        mask = protected_mask(positions, n_sink=self.cfg.n_sink, n_recent=max(1, self.recent),
+        mask = protected_mask(positions, n_sink=self.cfg.n_sink, n_recent=max(1, self.recent_window),
                               newest_pos=self.newest + incoming,
                               prompt_end=self.prompt_end if self.cfg.protect_prompt else None)
         # the newest position always stays: llama.cpp requires new tokens to follow a sequence's last position
         return mask | (positions == self.newest)
+
+    def protection_reasons(self, positions: np.ndarray) -> list[tuple[str, ...]]:
+        """Why each live position is protected now: a tuple of "sink", "prompt", "recent", "newest" (empty: it
+        may be evicted). The same rules as :meth:`protected`, named."""
+        cfg = self.cfg
+        prompt_end = self.prompt_end if cfg.protect_prompt else None
+        out = []
+        for p in np.asarray(positions, dtype=np.int64).tolist():
+            kinds = []
+            if p < cfg.n_sink:
+                kinds.append("sink")
+            if prompt_end is not None and p < prompt_end:
+                kinds.append("prompt")
+            if p > self.newest - max(1, self.recent_window):
+                kinds.append("recent")
+            if p == self.newest:
+                kinds.append("newest")
+            out.append(tuple(kinds))
+        return out
+
+    # -- saving and restoring ----------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """The bookkeeping as plain JSON data: live positions, newest, prompt end, recent window, counts."""
+        return {"live": self.live_positions().tolist(), "newest": int(self.newest), "prompt_end": self.prompt_end,
+                "recent_window": int(self.recent_window),
+                "stats": {"n_evicted": self.stats.n_evicted, "n_rounds": self.stats.n_rounds,
+                          "max_live": self.stats.max_live}}
+
+    def restore(self, snap: dict) -> None:
+        """Take the bookkeeping of :meth:`snapshot` (on a fresh engine whose context already holds those
+        cells); the caller has validated ``snap``."""
+        live = np.asarray(snap["live"], dtype=np.int64)
+        if len(live):
+            self.on_decoded(live)
+        self.newest = int(snap["newest"])
+        self.prompt_end = snap["prompt_end"]
+        self.recent_window = int(snap["recent_window"])
+        for k, v in snap["stats"].items():
+            setattr(self.stats, k, int(v))
 
     def evict(self, n: int, reason: str = "budget", incoming: int = 0) -> int:
         """Evict up to n positions (lowest scores, unprotected). Returns how many were evicted."""
@@ -235,7 +283,14 @@ class EvictionEngine:
                 "positions (prompt/sinks/recent window are protected)")
 
     def on_kv_full(self, n_tokens: int) -> bool:
-        """llama_decode's kv-full hook: evict a chunk and ask for a retry."""
+        """llama_decode's kv-full hook: evict a chunk and ask for a retry. An exception of the policy's scoring
+        is re-raised by ``Context.decode`` as itself, with a note naming the policy."""
         if not self.policy.evicts:
             return False
-        return self.evict(max(n_tokens, self.cfg.evict_chunk), reason="kv_full_hook") > 0
+        try:
+            return self.evict(max(n_tokens, self.cfg.evict_chunk), reason="kv_full_hook") > 0
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python >= 3.11
+                e.add_note(f"raised by policy {self.policy.name!r} in an eviction round inside llama_decode "
+                           "(the kv-full hook)")
+            raise

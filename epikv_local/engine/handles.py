@@ -21,31 +21,47 @@ import numpy as np
 
 from ..errors import ConfigError, KVFullError, ModelError, NativeError
 from ..policies.base import ModelShape
+from .budget import MAX_CELLS
 from .native import (
     CAPTURE_K,
     CAPTURE_OUT,
     DECODE_NO_KV_SLOT,
     LAYER_CAPTURE_BAD_LAYER,
     LAYER_CAPTURE_LAST_LAYER,
+    SEQ_RM_POS_BAD_ARGS,
     SEQ_RM_POS_UNSUPPORTED,
     Native,
+    decode_failure,
     load,
 )
 
 GGUF_MAGIC = b"GGUF"
-#: llama.cpp stores cell counts, batch sizes and positions as int32
-MAX_CELLS = 2**31 - 1
-#: KV cache element types: name -> (llama_cpp constant, bytes per element; quantized blocks of 32)
+#: KV cache element types: name -> (enum ggml_type value in ggml.h, bytes per element; quantized blocks of 32).
+#: The values are ggml.h's own (llama-cpp-python's module lacks some, e.g. GGML_TYPE_BF16).
 KV_TYPES = {
-    "f32": ("GGML_TYPE_F32", 4.0),
-    "f16": ("GGML_TYPE_F16", 2.0),
-    "bf16": ("GGML_TYPE_BF16", 2.0),
-    "q8_0": ("GGML_TYPE_Q8_0", 34 / 32),
-    "q5_1": ("GGML_TYPE_Q5_1", 24 / 32),
-    "q5_0": ("GGML_TYPE_Q5_0", 22 / 32),
-    "q4_1": ("GGML_TYPE_Q4_1", 20 / 32),
-    "q4_0": ("GGML_TYPE_Q4_0", 18 / 32),
+    "f32": (0, 4.0),
+    "f16": (1, 2.0),
+    "bf16": (30, 2.0),
+    "q8_0": (8, 34 / 32),
+    "q5_1": (7, 24 / 32),
+    "q5_0": (6, 22 / 32),
+    "q4_1": (3, 20 / 32),
+    "q4_0": (2, 18 / 32),
 }
+
+
+def kv_type(value, what: str = "KV cache type") -> str:
+    """A KV cache type given as a name ("q8_0") or as llama-cpp-python's / ggml's GGML_TYPE_* integer, as its
+    name; None is "f16". ConfigError naming ``what`` for anything else."""
+    if value is None:
+        return "f16"
+    if isinstance(value, str) and value in KV_TYPES:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        for name, (ggml_type, _) in KV_TYPES.items():
+            if ggml_type == value:
+                return name
+    raise ConfigError(f"{what} must be one of {', '.join(KV_TYPES)} (or its GGML_TYPE_* value), got {value!r}")
 
 
 def parse_rpc_servers(servers: list[str] | str | None) -> list[str]:
@@ -364,11 +380,9 @@ class Context(_Owned):
         self.n_threads = threads
         p.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.no_perf = True
-        for what, t in (("type_k", type_k), ("type_v", type_v)):
-            if t not in KV_TYPES:
-                raise ConfigError(f"{what} must be one of {', '.join(KV_TYPES)}, got {t!r}")
-        p.type_k = getattr(ll, KV_TYPES[type_k][0])
-        p.type_v = getattr(ll, KV_TYPES[type_v][0])
+        type_k, type_v = kv_type(type_k, "type_k"), kv_type(type_v, "type_v")
+        p.type_k = KV_TYPES[type_k][0]
+        p.type_v = KV_TYPES[type_v][0]
         self.type_k, self.type_v = type_k, type_v
         if cb_eval is not None:
             p.cb_eval = ll.ggml_backend_sched_eval_callback(cb_eval)
@@ -387,6 +401,7 @@ class Context(_Owned):
         self._ctx_c = self.nat.as_cffi("struct llama_context *", handle)
         self._batch = ll.llama_batch_init(n_batch, 0, n_seq_max)
         self._kv_full_cb = None
+        self._hook_error: BaseException | None = None  # raised by the kv-full hook, re-raised by decode()
         model._contexts.add(id(self))
 
     _what = "context"
@@ -429,10 +444,13 @@ class Context(_Owned):
         b.n_tokens = n
         with self.nat.deferred_interrupt():
             rc = self.nat.llama.llama_decode(handle, b)
+        hook_error, self._hook_error = self._hook_error, None
+        if hook_error is not None:  # the kv-full hook raised inside llama_decode: that is the failure
+            raise hook_error
         if rc == DECODE_NO_KV_SLOT:
             raise KVFullError(f"llama_decode: no KV slot for {n} tokens (n_ctx={self.n_ctx})")
         if rc != 0:
-            raise self.nat.error(f"llama_decode failed with code {rc}")
+            raise self.nat.error(f"llama_decode failed with code {rc} ({decode_failure(rc)})")
 
     def prefill_chunks(self, tokens, start: int = 0, chunk: int | None = None, seq_id: int = 0,
                        logits_from: int | None = None) -> Iterator[np.ndarray]:
@@ -484,6 +502,8 @@ class Context(_Owned):
             raise NativeError(
                 f"this model's memory ({self.model.info.arch}) cannot remove single positions "
                 "(recurrent or hybrid memory): KV eviction is not supported for it")
+        if n == SEQ_RM_POS_BAD_ARGS:
+            raise NativeError(f"llama_memory_seq_rm_pos refused its arguments ({len(pos)} positions)")
         if n < 0:
             raise NativeError(f"llama_memory_seq_rm_pos failed with code {n}")
         return n
@@ -527,7 +547,9 @@ class Context(_Owned):
         self.nat.llama.llama_memory_clear(self.mem, True)
 
     def set_kv_full_callback(self, fn) -> None:
-        """Install fn(n_tokens) -> bool as the kv-full hook (None removes it). Exceptions in fn count as False."""
+        """Install fn(n_tokens) -> bool as the kv-full hook (None removes it). An exception raised by fn cannot
+        cross llama.cpp's C frames: the hook then answers False (llama_decode gives up) and :meth:`decode`
+        re-raises that exception as itself once llama_decode has returned."""
         ffi = self.nat.ffi
         if fn is None:
             if self._kv_full_cb is not None and not self.closed:
@@ -535,9 +557,13 @@ class Context(_Owned):
             self._kv_full_cb = None
             return
 
-        @ffi.callback("bool(struct llama_context *, int32_t, void *)", onerror=lambda *a: False)
+        @ffi.callback("bool(struct llama_context *, int32_t, void *)")
         def _cb(_ctx, n_tokens, _ud):
-            return bool(fn(int(n_tokens)))
+            try:
+                return bool(fn(int(n_tokens)))
+            except BaseException as e:  # noqa: BLE001  (kept for decode() to re-raise, see above)
+                self._hook_error = e
+                return False
 
         self._kv_full_cb = _cb
         self.nat.lib.llama_set_kv_full_callback(self._ctx_c, _cb, ffi.NULL)

@@ -87,18 +87,27 @@ void epikv_diff_norms(const float * rows, int32_t n_rows, int32_t n_embd, float 
 
 # epikv_capture mode bits (native/epikv_capture.h)
 MODE_IDLE, MODE_CAPTURE, MODE_PROBE, MODE_ATTN = 0, 1, 2, 4
-# llama_memory_seq_rm_pos / llama_memory_seq_cell_pos return codes (patches/0002)
+# -- return codes: each one the package checks, named and explained (unused ones are not declared) --------
+# llama_memory_seq_rm_pos (patches/0002): >= 0 cells removed; -1 this memory type cannot remove single
+# positions (recurrent / hybrid memory); -2 bad arguments (n_pos < 0 or a null pointer)
 SEQ_RM_POS_UNSUPPORTED = -1
 SEQ_RM_POS_BAD_ARGS = -2
-# llama_set_layer_capture kinds and return codes
+# llama_set_layer_capture kinds (enum llama_layer_capture, patches/0001)
 CAPTURE_OUT = 0   # LLAMA_LAYER_CAPTURE_OUT: the layer's output hidden state ("l_out-<il>")
 CAPTURE_K = 1     # LLAMA_LAYER_CAPTURE_K: the layer's keys after RoPE ("Kcur-<il>")
 CAPTURE_Q = 2     # LLAMA_LAYER_CAPTURE_Q: the layer's queries after RoPE ("Qcur-<il>")
+# llama_set_layer_capture: 0 ok; -1 layer out of range; -2 the last layer (its output keeps only output rows)
 LAYER_CAPTURE_BAD_LAYER = -1
 LAYER_CAPTURE_LAST_LAYER = -2
-# llama_decode return codes (llama.h: 0 ok, 1 no KV slot, 2 aborted, -1 invalid batch, < -1 error)
+# llama_decode (llama.h): 0 ok; 1 no KV slot for the batch (after the kv-full hook, patches/0003, gave up);
+# 2 aborted by the abort callback; -1 invalid batch; < -1 error. Only "no KV slot" has its own exception.
 DECODE_NO_KV_SLOT = 1
-DECODE_ABORTED = 2
+DECODE_MEANINGS = {1: "no KV slot for the batch", 2: "aborted", -1: "invalid batch"}
+
+
+def decode_failure(rc: int) -> str:
+    """What a non-zero llama_decode return code means (llama.h)."""
+    return DECODE_MEANINGS.get(rc, "error" if rc < -1 else "warning")
 
 
 def _lib_names(stem: str) -> list[str]:

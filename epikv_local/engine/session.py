@@ -24,7 +24,8 @@ from ..errors import ConfigError, NativeError
 from ..policies.base import Policy
 from .budget import BudgetConfig, EngineStats, EvictionEngine, context_cells
 from .capture import ROUTES, CapturePlan
-from .handles import KV_TYPES, Closing, Context, Model
+from .handles import Closing, Context, Model, kv_type
+from .sampling import Sampler, SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,21 @@ class SessionConfig:
             raise ConfigError(f"capture_route must be one of {ROUTES}, got {self.capture_route!r}")
         if isinstance(self.n_batch, bool) or not isinstance(self.n_batch, int) or not 1 <= self.n_batch <= 65536:
             raise ConfigError(f"n_batch must be an integer in 1..65536, got {self.n_batch!r}")
-        for what in ("type_k", "type_v"):
-            if getattr(self, what) not in KV_TYPES:
-                raise ConfigError(f"{what} must be one of {', '.join(KV_TYPES)}, got {getattr(self, what)!r}")
+        for what in ("type_k", "type_v"):  # a name, or llama-cpp-python's GGML_TYPE_* value, stored as the name
+            object.__setattr__(self, what, kv_type(getattr(self, what), what))
+
+
+def check_policy_fits(policy: Policy, cfg: SessionConfig) -> None:
+    """ConfigError when ``policy`` cannot run under ``cfg``: an attention-based policy needs flash attention off
+    (it reads the attention matrix, which flash attention never materialises), and llama.cpp quantizes the V
+    cache only with flash attention on. Front doors call it before loading a model; Session calls it too."""
+    if policy.needs_attention and cfg.flash_attn:
+        raise ConfigError(f"policy {policy.name!r} reads the attention matrix, which flash attention never "
+                          "materialises: run it with flash attention off (--no-flash-attn)")
+    if policy.needs_attention and cfg.type_v not in ("f16", "f32", "bf16"):
+        raise ConfigError(f"policy {policy.name!r} needs flash attention off, and llama.cpp quantizes the V cache "
+                          f"({cfg.type_v}) only with flash attention on: use an attention-free policy or "
+                          "an f16 V cache")
 
 
 @dataclass
@@ -89,19 +102,14 @@ class Session(Closing):
         self._record = record
         info = model.info
         signals = policy.bind(info.shape)
-        if policy.needs_attention and self.cfg.flash_attn:
-            raise ConfigError(f"policy {policy.name!r} reads the attention matrix, which flash attention never "
-                              "materialises: run it with flash attention off (--no-flash-attn)")
-        if policy.needs_attention and self.cfg.type_v not in ("f16", "f32", "bf16"):
-            raise ConfigError(f"policy {policy.name!r} needs flash attention off, and llama.cpp quantizes the V cache "
-                              f"({self.cfg.type_v}) only with flash attention on: use an attention-free policy or "
-                              "an f16 V cache")
+        check_policy_fits(policy, self.cfg)
         plan = CapturePlan.build(signals, self.cfg.capture_route, self.cfg.verify_flash_attn)
         n_ctx = self.cfg.n_ctx or context_cells(budget.kv_budget, self.cfg.n_batch)
         if n_ctx < budget.kv_budget:
             raise ConfigError(f"n_ctx {n_ctx} is smaller than kv_budget {budget.kv_budget}")
         self._lock = threading.Lock()
         self._generating = False
+        self._samplers: set[Sampler] = set()
         with contextlib.ExitStack() as stack:
             handle = plan.open(model.nat, info.n_embd, self.cfg.n_batch)
             if handle is not None:
@@ -129,6 +137,8 @@ class Session(Closing):
     def close(self) -> None:
         if getattr(self, "_stack", None) is not None:
             stack, self._stack = self._stack, None
+            for sampler in list(self._samplers):  # chains still open: free them before their context
+                sampler.close()
             stack.close()
 
 
@@ -181,9 +191,24 @@ class Session(Closing):
         return self.capture.graph_nodes
 
     @property
+    def recording(self) -> bool:
+        """Whether eviction rounds are recorded (created with record=True): :attr:`events`."""
+        return self.engine.record
+
+    @property
     def events(self) -> list:
-        """The eviction rounds (``budget.EvictionEvent``) since the last reset, when created with record=True."""
+        """The eviction log: the rounds (``budget.EvictionEvent``: live positions, scores, protection, evicted,
+        reason) since the last reset, when created with record=True."""
         return self.engine.stats.events
+
+    @property
+    def recent_window(self) -> int:
+        """The recent window in effect (cells; a protected prompt can shrink the configured one)."""
+        return self.engine.recent_window
+
+    def protection_reasons(self, positions: np.ndarray) -> list[tuple[str, ...]]:
+        """Why each live position is protected now ("sink", "prompt", "recent", "newest"; empty: evictable)."""
+        return self.engine.protection_reasons(positions)
 
     def live_positions(self) -> np.ndarray:
         """(N,) int64 positions of sequence 0 held in the cache, ascending."""
@@ -251,9 +276,22 @@ class Session(Closing):
         """BudgetError if a prompt of ``n_prompt`` tokens could not be fed now (nothing is changed)."""
         self.engine.check_prompt(n_prompt)
 
-    def sample(self, sampler) -> int:
-        """Sample the next token from the last decode's logits with a llama.cpp sampler chain
-        (``api.sampling.Sampler``)."""
+    @contextlib.contextmanager
+    def sampling(self, cfg: SamplingConfig):
+        """A sampler chain for ``cfg`` owned by this session: freed when the block ends, or with the session if
+        it closes first (the chain samples from this session's context)."""
+        if self.closed:
+            raise NativeError("session is closed")
+        sampler = Sampler(self.model, cfg)
+        self._samplers.add(sampler)
+        try:
+            yield sampler
+        finally:
+            self._samplers.discard(sampler)
+            sampler.close()
+
+    def sample(self, sampler: Sampler) -> int:
+        """Sample the next token from the last decode's logits with ``sampler`` (see :meth:`sampling`)."""
         with self._use():
             return sampler.sample(self.ctx.handle)
 

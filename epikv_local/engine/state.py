@@ -12,19 +12,17 @@ that the original and every restored copy continue with bit-identical logits.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
 import struct
 from pathlib import Path
 
-import numpy as np
-
 from ..errors import DataError
+from ..fileio import sha256_bytes, write_atomic
 
 MAGIC = b"EPIKVST1"
-VERSION = 1
+VERSION = 2  # 2: the engine's bookkeeping as one EvictionEngine.snapshot()
 
 
 def _model_identity(session) -> dict:
@@ -37,7 +35,7 @@ def _model_identity(session) -> dict:
 def save(session, path: str | os.PathLike) -> Path:
     """Write the session's sequence to ``path`` (atomically)."""
     eng = session.engine
-    running = pickle.dumps({"policy": session.policy, "capture": getattr(session.capture.g, "_prev", None)},
+    running = pickle.dumps({"policy": session.policy, "capture": session.capture.state()},
                            protocol=pickle.HIGHEST_PROTOCOL)
     kv = session.ctx.seq_state()
     # lay the live cells out as a restore does (position order): flash attention accumulates over the cells
@@ -46,24 +44,13 @@ def save(session, path: str | os.PathLike) -> Path:
     header = {
         "version": VERSION, "model": _model_identity(session), "policy": session.policy.name,
         "kv_budget": eng.cfg.kv_budget, "n_past": session.n_past, "tokens": session.tokens,
-        "live": eng.live_positions().tolist(), "newest": eng.newest, "prompt_end": eng.prompt_end,
-        "recent": eng.recent,
-        "stats": {"n_evicted": eng.stats.n_evicted, "n_rounds": eng.stats.n_rounds, "max_live": eng.stats.max_live},
-        "blobs": [{"name": "running", "bytes": len(running), "sha256": hashlib.sha256(running).hexdigest()},
-                  {"name": "kv", "bytes": len(kv), "sha256": hashlib.sha256(kv).hexdigest()}],
+        "engine": eng.snapshot(),
+        "blobs": [{"name": "running", "bytes": len(running), "sha256": sha256_bytes(running)},
+                  {"name": "kv", "bytes": len(kv), "sha256": sha256_bytes(kv)}],
     }
     head = json.dumps(header).encode()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(head)) + head + running + kv)
-        tmp.replace(path)
-    except OSError as e:
-        raise DataError(f"cannot write the session state to {path}: {e.strerror or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_atomic(path, MAGIC + struct.pack("<Q", len(head)) + head + running + kv, error=DataError,
+                        what="session state", make_parents=False)
 
 
 def read(path: str | os.PathLike) -> tuple[dict, dict[str, bytes]]:
@@ -89,7 +76,7 @@ def read(path: str | os.PathLike) -> tuple[dict, dict[str, bytes]]:
         blob = data[at:at + b["bytes"]]
         if len(blob) != b["bytes"]:
             raise DataError(f"{path} is truncated ({b['name']}: {len(blob)} of {b['bytes']} bytes)")
-        if hashlib.sha256(blob).hexdigest() != b["sha256"]:
+        if sha256_bytes(blob) != b["sha256"]:
             raise DataError(f"{path} is corrupted ({b['name']} checksum mismatch)")
         blobs[b["name"]] = blob
         at += b["bytes"]
@@ -106,23 +93,14 @@ def load(session, path: str | os.PathLike) -> None:
     if header["policy"] != session.policy.name:
         raise DataError(f"{path} was saved with policy {header['policy']!r}, this session runs "
                         f"{session.policy.name!r}")
-    if len(header["live"]) > session.budget.kv_budget:
-        raise DataError(f"{path} holds {len(header['live'])} live cells, more than this session's budget "
+    if len(header["engine"]["live"]) > session.budget.kv_budget:
+        raise DataError(f"{path} holds {len(header['engine']['live'])} live cells, more than this session's budget "
                         f"{session.budget.kv_budget}")
     running = pickle.loads(blobs["running"])
     session.reset()
     session.ctx.set_seq_state(blobs["kv"])
-    eng = session.engine
-    live = np.asarray(header["live"], dtype=np.int64)
-    if len(live):
-        eng.on_decoded(live)
-    eng.newest = header["newest"]
-    eng.prompt_end = header["prompt_end"]
-    eng.recent = header["recent"]
-    for k, v in header["stats"].items():
-        setattr(eng.stats, k, v)
+    session.engine.restore(header["engine"])
     session.tokens = list(header["tokens"])
     session.n_past = header["n_past"]
     session.policy.__dict__.update(running["policy"].__dict__)
-    if running["capture"] is not None and hasattr(session.capture.g, "_prev"):
-        session.capture.g._prev = running["capture"]
+    session.capture.set_state(running["capture"])

@@ -55,10 +55,8 @@ def capture_pass(model: Model, tokens: list[int], chunk: int = 64, n_threads: in
     with Context(model, n_ctx=T + chunk, n_batch=chunk, n_threads=n_threads) as ctx:
         gcap = LayerOutCapture(ctx, layers, model.info.arch)
         kcap = KeyCapture(ctx, tuple(range(n_layer)), model.info.arch) if keys else None
-        for i in range(0, T, chunk):
-            part = tokens[i:i + chunk]
-            n = len(part)
-            ctx.decode(part, np.arange(i, i + n), logits_last=True)
+        for pos in ctx.prefill_chunks(tokens, chunk=chunk):  # no logits are read, only the captures
+            i, n = int(pos[0]), len(pos)
             g[i:i + n] = gcap.after_decode(n)
             if kcap is not None:
                 k = kcap.after_decode(n).astype(np.float64)  # (n, n_layer, d_k)
@@ -82,9 +80,7 @@ def attention_pass(model: Model, tokens: list[int], chunk: int, n_threads: int |
                      cb_eval=h.cb_eval, cb_eval_user_data=h.user_data) as ctx:
             h.enable_attention(ctx.n_ctx)
             h.set_mode(MODE_ATTN)
-            for k, i in enumerate(range(0, T, chunk)):
-                part = tokens[i:i + chunk]
-                ctx.decode(part, np.arange(i, i + len(part)), logits_last=True)
+            for k, _ in enumerate(ctx.prefill_chunks(tokens, chunk=chunk)):  # chunk k's queries, no logits read
                 recv, _, _ = h.take_attention()
                 cp = ctx.cell_positions()
                 n = min(len(cp), len(recv))

@@ -2,8 +2,8 @@
 
 Procedure (dev traces only; see docs/calibration.md, section "Calibration"):
 
-1. counterfactual labels on the dev traces (:mod:`epikv_local.labels`) and the layer anatomy
-   (:mod:`epikv_local.anatomy`, g of every layer, no keys or attention) rank the layers by the Spearman
+1. counterfactual labels on the dev traces (:mod:`.labels`) and the layer anatomy
+   (:mod:`.anatomy`, g of every layer, no keys or attention) rank the layers by the Spearman
    correlation of ``z_l`` with the label: the top-3 are band-A candidates, the bottom-3 band-B candidates;
 2. a pruned grid, searched coordinate-wise, minimising the mean teacher-forced fidelity ΔNLL over the dev
    traces x budgets (128, 256): (a) layers: the default pair, the 3 x 3 A x B pairs and the 3 single-band A
@@ -16,7 +16,8 @@ Procedure (dev traces only; see docs/calibration.md, section "Calibration"):
    ``--policy calibrated`` runs.
 
 The result is written as JSON to ``<cache>/calibration/<sha256 of the model file>.json`` (cache dir:
-``$EPIKV_CACHE_DIR`` or ``~/.cache/epikv-local``) and read back by :func:`load_for_model`. Layers are stored as
+``$EPIKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/epikv-local`` or ``~/.cache/epikv-local``) and read back by
+:func:`epikv_local.api.calibration.load_for_model`. Layers are stored as
 this model's own indices (``ref_depth = n_layer``), so only those two layers are captured at run time.
 """
 

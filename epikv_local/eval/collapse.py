@@ -172,7 +172,7 @@ def generate_one(model, prompt_tokens: list[int], policy, kv_budget: int | None,
     + max_tokens; a registered name or a PolicySpec, e.g. a calibration's choice), prompt not protected (a MATH prompt does not fit the tight budgets). Stops at the model's end
     of generation or ``max_tokens``. Returns the text, tokens, stop reason and the session's figures."""
     from ..api.generation import generate
-    from ..api.sampling import SamplingConfig
+    from ..engine.sampling import SamplingConfig
     from ..engine.budget import BudgetConfig
     from ..engine.session import Session, SessionConfig
     from ..policies import make_policy, policy_spec

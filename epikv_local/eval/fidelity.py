@@ -171,6 +171,8 @@ def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str | Poli
     t0 = time.perf_counter()
     with Session(model, policy, budget_cfg, cfg) as session:
         buf = np.empty((chunk, n_vocab), dtype=np.float32)
+        # chunk by chunk through the session (it evicts between chunks to hold the budget), not
+        # Context.prefill_chunks (no eviction); the last token is not decoded (it has no target)
         for i in range(0, n_in, chunk):
             part = tokens[i:min(i + chunk, n_in)]
             k = len(part)
@@ -232,12 +234,10 @@ def local_window_nll(model: Model, tokens: list[int], window: int, eval_start: i
         buf = np.empty((n_batch, n_vocab), dtype=np.float32)
         for a, s, e in blocks:
             ctx.clear()
-            first = s - a  # first row read
-            for i in range(0, e - a, n_batch):
-                j = min(i + n_batch, e - a)
-                want = j > first
-                ctx.decode(toks[a + i:a + j].tolist(), np.arange(i, j), logits_last=False, logits_all=want)
-                if not want:
+            first = s - a  # first row read: chunks that reach it have every row's logits
+            for pos in ctx.prefill_chunks(toks[a:e], chunk=int(n_batch), logits_from=first):
+                i, j = int(pos[0]), int(pos[-1]) + 1
+                if j <= first:
                     continue
                 r0 = max(i, first)
                 for r in range(r0, j):

@@ -12,7 +12,19 @@ from ..errors import DataError
 from ..fileio import write_atomic  # noqa: F401  (re-exported for the harness)
 
 
+def nan_to_none(x):
+    """NaN floats -> None, recursively through dicts, lists and tuples (tuples become lists): strict JSON."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [nan_to_none(v) for v in x]
+    return x
+
+
 def to_json(res: dict) -> str:
+    """``res`` as indented JSON: numpy scalars as numbers, NaN as null."""
     def conv(o):
         if isinstance(o, (np.floating,)):
             return float(o)
@@ -20,16 +32,7 @@ def to_json(res: dict) -> str:
             return int(o)
         raise TypeError(type(o))
 
-    def clean(o):
-        if isinstance(o, float) and np.isnan(o):
-            return None
-        if isinstance(o, dict):
-            return {k: clean(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return [clean(v) for v in o]
-        return o
-
-    return json.dumps(clean(res), indent=2, default=conv)
+    return json.dumps(nan_to_none(res), indent=2, default=conv)
 
 
 def read_jsonl(path: str | os.PathLike, what: str = "file") -> list[tuple[int, dict]]:

@@ -103,11 +103,10 @@ class _Brancher:
         self.ctx.close()
 
     def extend(self, tokens: list[int], c: int) -> None:
-        """Decode tokens[n_prefix:c] into seq 0."""
-        while self.n_prefix < c:
-            hi = min(c, self.n_prefix + self.n_batch)
-            self.ctx.decode(tokens[self.n_prefix:hi], np.arange(self.n_prefix, hi), logits_last=False, seq_id=0)
-            self.n_prefix = hi
+        """Decode tokens[n_prefix:c] into seq 0 (no output rows: logits_from c is past the last position)."""
+        for pos in self.ctx.prefill_chunks(tokens[self.n_prefix:c], start=self.n_prefix, chunk=self.n_batch,
+                                           seq_id=0, logits_from=c):
+            self.n_prefix = int(pos[-1]) + 1
 
     def branch(self, tokens: list[int], c: int, remove: int | None) -> float:
         """Mean NLL of tokens[c+1 : c+W+1] decoding tokens[c : c+W] in seq 1 = seq 0 minus ``remove``."""

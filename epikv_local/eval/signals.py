@@ -63,11 +63,9 @@ def collect_query_stats(model: Model, traces: list[tuple[str, list[int]]], n_thr
             ctx.set_layer_capture(il, True, CAPTURE_Q)
         for _, toks in progress_bar(traces, "query statistics", unit="trace"):
             ctx.clear()
-            for i in range(0, len(toks), chunk):
-                part = toks[i:i + chunk]
-                pos = np.arange(i, i + len(part))
-                ctx.decode(part, pos, logits_last=False)
-                rows = np.stack([ctx.layer_capture(il, len(part), CAPTURE_Q) for il in layers], axis=1)
+            # logits_from one past the last position: no chunk gets an output row (only the queries are read)
+            for pos in ctx.prefill_chunks(toks, chunk=chunk, logits_from=len(toks)):
+                rows = np.stack([ctx.layer_capture(il, len(pos), CAPTURE_Q) for il in layers], axis=1)
                 qs.update(to_complex(rows, pos, sh, sh.n_head))
     if log:
         log(f"query statistics of {qs.count} tokens x {len(layers)} layers")

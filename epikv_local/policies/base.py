@@ -46,14 +46,14 @@ class ModelShape:
 class Signals:
     """The signals a bound policy needs, as this model's layer indices.
 
-    layers: layers whose residual-stream change g is captured (0 .. n_layer - 2: the last layer keeps only
+    g_layers: layers whose residual-stream change g is captured (0 .. n_layer - 2: the last layer keeps only
         output rows in llama.cpp).
     key_layers: layers whose keys after RoPE are captured (0 .. n_layer - 1).
     query_layers: layers whose queries after RoPE are captured (0 .. n_layer - 1).
     attention_layers: layers whose attention weights are read back (only with ``needs_attention``).
     """
 
-    layers: tuple[int, ...] = ()
+    g_layers: tuple[int, ...] = ()
     key_layers: tuple[int, ...] = ()
     attention_layers: tuple[int, ...] = ()
     query_layers: tuple[int, ...] = ()
@@ -64,7 +64,7 @@ class Observation:
     """What one decode of T new tokens produced. Shapes: T new tokens, C KV cells.
 
     positions: (T,) int64 positions of the new tokens.
-    g: (T, len(layers)) float64 residual-stream change (NaN for a sequence's first token), or None.
+    g: (T, len(g_layers)) float64 residual-stream change (NaN for a sequence's first token), or None.
     keys: (T, len(key_layers), d_k) float32 keys after RoPE (d_k = n_head_kv * head_dim), or None.
     queries: (T, len(query_layers), d_q) float32 queries after RoPE (d_q = n_head * head_dim), or None.
     cell_pos: (C,) int32 position held by each KV cell after the decode (-1: none), or None.
@@ -102,7 +102,7 @@ class Policy:
     def bind(self, shape: ModelShape) -> Signals:
         """Attach to a model of this shape (once per session): reset and return the signals needed."""
         sig = self.signals(shape)
-        for il in sig.layers:
+        for il in sig.g_layers:
             if not 0 <= il < shape.n_layer - 1:
                 raise ConfigError(f"policy {self.name!r}: layer {il} is beyond what a {shape.n_layer}-layer model "
                                   f"can capture (0..{shape.n_layer - 2})")

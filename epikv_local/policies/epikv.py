@@ -70,7 +70,7 @@ class EpikvPolicy(Policy):
         cfg = self.scoring_config(shape.n_layer)
         layers = (cfg.layer_a,) if cfg.layer_b is None else (cfg.layer_a, cfg.layer_b)
         self._scorer = StreamingScorer(cfg, layers)
-        return Signals(layers=layers)
+        return Signals(g_layers=layers)
 
     def reset(self) -> None:
         if self._scorer is not None:

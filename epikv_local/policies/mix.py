@@ -71,8 +71,8 @@ class EpikvMixPolicy(Policy):
         # keydiff and triattention read the same evenly spaced key layers (same n_key_layers)
         key_layers = next((s.key_layers for s in sigs.values() if s.key_layers), ())
         query_layers = next((s.query_layers for s in sigs.values() if s.query_layers), ())
-        layers = sigs["epikv"].layers if "epikv" in sigs else ()
-        return Signals(layers=layers, key_layers=key_layers, query_layers=query_layers)
+        layers = sigs["epikv"].g_layers if "epikv" in sigs else ()
+        return Signals(g_layers=layers, key_layers=key_layers, query_layers=query_layers)
 
     def reset(self) -> None:
         for p in self._parts.values():

@@ -97,7 +97,7 @@ def test_load_for_model_without_calibration(tmp_path, monkeypatch):
     assert calibration.load_for_model(f) is None
     res = resolve_policy("epikv", f)
     assert res.calibration is None and res.recent_fraction == 0.5
-    assert res.policy.bind(ModelShape(n_layer=30)).layers == (9, 20)  # the documented default
+    assert res.policy.bind(ModelShape(n_layer=30)).g_layers == (9, 20)  # the documented default
     # the content hash is cached and is the sha256 of the file
     import hashlib
 
@@ -201,7 +201,7 @@ def test_default_model_ships_its_calibration(model_path, tmp_path, monkeypatch):
     assert Path(cal.query_stats).parent == calibration.PACKAGED_DIR and Path(cal.query_stats).is_file()
     res = resolve_policy("epikv", model_path)
     assert res.calibration == cal and res.recent_fraction == 0.75
-    assert res.policy.bind(ModelShape(n_layer=30)).layers == (19,)
+    assert res.policy.bind(ModelShape(n_layer=30)).g_layers == (19,)
     # --policy calibrated: the shipped selection
     sel = resolve_policy("calibrated", model_path)
     assert sel.calibration == cal and sel.policy.name == cal.selected["policy"]

@@ -125,10 +125,9 @@ class FakeLlama:
 
     def __init__(self):
         self.script, self.calls, self.resets = [], [], 0
-        self.last_stats = None
         self.session = Namespace(stats=lambda: FakeStats())
 
-    def create_chat_completion(self, messages, stream, **kw):
+    def chat_completion_steps(self, messages, **kw):  # plain chunks: render() takes them as well as ChunkSteps
         self.calls.append([dict(m) for m in messages])
         if isinstance(self.script, Exception):
             raise self.script

@@ -10,7 +10,7 @@ import pytest
 from epikv_local.engine.budget import BudgetConfig, BudgetError
 from epikv_local.api.chat import apply_chat_template, tokenize_prompt
 from epikv_local.api.generation import generate
-from epikv_local.api.sampling import SamplingConfig
+from epikv_local.engine.sampling import SamplingConfig
 from epikv_local.policies import make_policy
 from epikv_local.engine.selection import select_evictions
 from epikv_local.engine.session import Session, SessionConfig
@@ -102,7 +102,7 @@ def test_default_recent_window_yields_to_a_protected_prompt(model, prompt_tokens
     n_prompt = len(prompt_tokens)
     B = n_prompt + 40
     budget = BudgetConfig(kv_budget=B, recent_fraction=0.75)
-    assert n_prompt + budget.recent + 1 > B  # would not fit as such
+    assert n_prompt + budget.recent_window + 1 > B  # would not fit as such
     res, stats = run(model, "epikv", budget, prompt_tokens, 120, record=True)
     assert stats.max_live <= B and stats.n_evicted > 0
     for ev in stats.events:

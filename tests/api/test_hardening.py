@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from epikv_local.api.generation import generate, stream_generate
-from epikv_local.api.sampling import SamplingConfig
+from epikv_local.engine.sampling import SamplingConfig
 from epikv_local.engine.budget import BudgetConfig
 from epikv_local.engine.handles import Model, resolve_threads
 from epikv_local.engine.session import Session, SessionConfig

@@ -1,4 +1,4 @@
-"""The token view (epikv_local/api/tokenview.py): per-token records on the real model, the HTML page, the CLI's
+"""The token view (epikv_local/api/tokenview/): per-token records on the real model, the HTML page, the CLI's
 ``--html`` / ``--html-compare``, and the page rendered by a headless Chromium."""
 
 from __future__ import annotations
@@ -167,6 +167,37 @@ def test_scores_nan_inf_and_one_run():
     assert json.dumps(run.as_dict())  # inf is written as text
     with pytest.raises(tv.ConfigError):
         tv.render_html([run, run, run])
+
+
+def test_page_inlines_the_packaged_assets():
+    from importlib import resources
+
+    from epikv_local.api import tokenview as tv
+    from epikv_local.api.generation import GenerationStats
+    from epikv_local.engine.budget import BudgetConfig
+
+    run = tv.TokenRun("one", [tv.TokenRecord(0, 1, "a", "prompt", 1.0)], GenerationStats(policy="p", kv_budget=8),
+                      "", BudgetConfig(8, n_sink=1, n_recent=2), recent=2, n_prompt=1)
+    html = tv.render_html([run])
+    for name, tag in (("token_view.css", "style"), ("token_view.js", "script")):
+        text = (resources.files("epikv_local.api.tokenview") / "assets" / name).read_text(encoding="utf-8")
+        assert text.strip() and tv.asset(name) == text
+        assert f"<{tag}>\n{text}</{tag}>" in html  # inlined whole: the page needs no file beside it
+
+
+def test_reads_the_session_through_its_public_api_only():
+    """No ``session.engine`` / ``.ctx`` / ``.capture`` and no other module's private attribute in the package."""
+    import ast
+    from pathlib import Path
+
+    import epikv_local.api.tokenview as tv
+
+    for path in sorted(Path(tv.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute):
+                private = node.attr.startswith("_") and not node.attr.startswith("__")
+                assert node.attr not in ("engine", "ctx", "capture") and not private, (
+                    f"{path.name}:{node.lineno} reads .{node.attr}")
 
 
 def test_collect_needs_a_recording_session(model):

@@ -160,7 +160,7 @@ def test_bookkeeping_against_a_model_of_llama_cpp(sc):
         engine.begin_prompt(0, sc["n_prompt"])
     except BudgetError:
         # the model of the rule: a protected prompt must leave the sinks, one recent and one evictable cell
-        assert sc["protect"] and (sc["n_prompt"] + budget.recent + 1 > budget.kv_budget
+        assert sc["protect"] and (sc["n_prompt"] + budget.recent_window + 1 > budget.kv_budget
                                   or budget.kv_budget - budget.n_sink - sc["n_prompt"] - 1 < 1)
         return
 

@@ -6,7 +6,7 @@ import pytest
 
 from epikv_local.api.chat import apply_chat_template, tokenize_prompt
 from epikv_local.api.generation import generate
-from epikv_local.api.sampling import SamplingConfig
+from epikv_local.engine.sampling import SamplingConfig
 from epikv_local.engine.budget import BudgetConfig
 from epikv_local.engine.session import Session, SessionConfig
 from epikv_local.errors import ConfigError

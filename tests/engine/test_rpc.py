@@ -13,7 +13,7 @@ import pytest
 
 from epikv_local.api.cli import rpc_server_path
 from epikv_local.api.generation import generate
-from epikv_local.api.sampling import SamplingConfig
+from epikv_local.engine.sampling import SamplingConfig
 from epikv_local.engine.budget import BudgetConfig
 from epikv_local.engine.handles import Context, Model
 from epikv_local.engine.session import Session, SessionConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from epikv_local.api.sampling import Sampler, SamplingConfig
+from epikv_local.engine.sampling import Sampler, SamplingConfig
 from epikv_local.engine.budget import BudgetConfig
 from epikv_local.engine.session import Session, SessionConfig
 from epikv_local.errors import DataError

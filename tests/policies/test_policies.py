@@ -13,7 +13,7 @@ import pytest
 from epikv_local.engine.budget import BudgetConfig
 from epikv_local.api.chat import apply_chat_template, tokenize_prompt
 from epikv_local.api.generation import generate
-from epikv_local.api.sampling import SamplingConfig
+from epikv_local.engine.sampling import SamplingConfig
 from epikv_local.errors import ConfigError
 from epikv_local.policies import REGISTRY, ModelShape, Observation, make_policy
 from epikv_local.engine.selection import select_evictions
@@ -32,7 +32,7 @@ def synth_obs(policy, positions, rng, cells: np.ndarray | None = None) -> Observ
     positions = np.asarray(positions, dtype=np.int64)
     T = len(positions)
     obs = Observation(positions=positions)
-    layers = policy.bound.layers
+    layers = policy.bound.g_layers
     if layers:
         obs.g = rng.gamma(2.0, 1.0, size=(T, len(layers)))
     key_layers = policy.bound.key_layers
@@ -88,9 +88,9 @@ def test_registry_and_families():
     # variants are named configurations of one class, not copies
     assert make_policy("epikv_lag").normalization == "lag"
     assert make_policy("epikv_raw").normalization == "raw"
-    assert make_policy("epikv_single").bind(SHAPE).layers == (9,)
-    assert make_policy("epikv").normalization == "zscore" and make_policy("epikv").bind(SHAPE).layers == (9, 20)
-    assert make_policy("epikv", layers=(19,)).bind(SHAPE).layers == (19,)
+    assert make_policy("epikv_single").bind(SHAPE).g_layers == (9,)
+    assert make_policy("epikv").normalization == "zscore" and make_policy("epikv").bind(SHAPE).g_layers == (9, 20)
+    assert make_policy("epikv", layers=(19,)).bind(SHAPE).g_layers == (19,)
     with pytest.raises(ConfigError, match="unknown policy"):
         make_policy("h3o")
 

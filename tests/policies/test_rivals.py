@@ -130,7 +130,7 @@ def test_epikv_mix_ranks_and_weights():
     only_keydiff = make_policy("epikv_mix", w_epikv=0.0, w_keydiff=1.0)
     kd = make_policy("keydiff")
     sig = only_keydiff.bind(SHAPE)
-    assert sig.layers == () and sig.key_layers == kd.bind(SHAPE).key_layers
+    assert sig.g_layers == () and sig.key_layers == kd.bind(SHAPE).key_layers
     obs = Observation(positions=np.arange(30), keys=rng.normal(size=(30, 4, 192)).astype(np.float32))
     only_keydiff.observe(obs)
     kd.observe(obs)
@@ -138,7 +138,7 @@ def test_epikv_mix_ranks_and_weights():
     assert np.argsort(only_keydiff.score(live)).tolist() == np.argsort(kd.score(live)).tolist()
     both = make_policy("epikv_mix")
     sig = both.bind(SHAPE)
-    assert sig.layers == (9, 20) and len(sig.key_layers) == 4 and not sig.query_layers
+    assert sig.g_layers == (9, 20) and len(sig.key_layers) == 4 and not sig.query_layers
     with pytest.raises(ConfigError, match="at least one"):
         make_policy("epikv_mix", w_epikv=0, w_keydiff=0)
     with pytest.raises(ConfigError, match="w_keydiff"):

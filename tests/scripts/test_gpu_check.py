@@ -82,6 +82,18 @@ def test_cpu_mode_native_checks(cpu_report):
     assert same["logits_bit_identical"] is True and same["epikv_evicted"] == 0 and same["max_abs_diff"] == 0.0
 
 
+def test_cpu_mode_native_checks_are_pytest_tests_behind_the_backend(cpu_report):
+    checks = cpu_report["native_checks"]
+    cmd = cpu_report["commands"]["native_checks"]
+    assert "-p gpu_check.backend" in cmd and "--backend cpu" in cmd
+    # the flash-attention check is test_native.py's own test, the others are gpu_check's
+    assert checks["flash_attn_graph"]["test"].startswith(
+        "tests/engine/test_native.py::test_graph_nodes_show_flash_attention[")
+    for name in CHECKS - {"flash_attn_graph"}:
+        assert checks[name]["test"] == f"scripts/gpu_check/checks.py::test_{name}", name
+    assert checks["model"]["path"] == cpu_report["check_model"]["path"]
+
+
 def test_cpu_mode_variants_and_contexts(cpu_report):
     r = cpu_report
     budget = r["settings"]["budget"]

@@ -1,11 +1,13 @@
-"""Sampling settings and the llama.cpp sampler chain built from them."""
+"""Sampling settings and the llama.cpp sampler chain built from them (``llama_sampler_*``, like
+llama-cpp-python's ``_internals.LlamaSampler``). A :class:`Sampler` is created and owned by a Session
+(``Session.sampling``), which frees it with the context it samples from."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from ..engine.handles import Closing, Model
+from .handles import Closing, Model
 from ..errors import ConfigError
 
 #: llama.cpp's sampler seed is a uint32
@@ -88,8 +90,9 @@ class Sampler(Closing):
             arr = (ll.llama_logit_bias * len(cfg.logit_bias))(*[ll.llama_logit_bias(t, b) for t, b in cfg.logit_bias])
             add(ll.llama_sampler_init_logit_bias(n_vocab, len(cfg.logit_bias), arr))
         if cfg.uses_penalties:
-            add(ll.llama_sampler_init_penalties(cfg.penalty_last_n, cfg.repeat_penalty, cfg.frequency_penalty,
-                                                cfg.presence_penalty))
+            # this llama.cpp's llama.h takes n_vocab first (llama-cpp-python's binding declares it too)
+            add(ll.llama_sampler_init_penalties(model.info.n_vocab, cfg.penalty_last_n, cfg.repeat_penalty,
+                                                cfg.frequency_penalty, cfg.presence_penalty))
             self.history = cfg.penalty_last_n if cfg.penalty_last_n >= 0 else 1 << 30
         if cfg.temperature <= 0:
             add(ll.llama_sampler_init_greedy())

@@ -1,0 +1,115 @@
+"""Result documents of the benchmark scripts: where a result came from, and reading one back for ``--merge``.
+
+A result document is a JSON object that starts with its provenance (:func:`run_header`: the command line,
+the git revision of the source tree, the UTC date, the machine and the model file's fingerprint), then its
+``settings``, ``wall_seconds`` and the results. A result measured in parts is merged into one document whose
+provenance names the parts (:func:`merged_header`). ``scripts/bench_fidelity.py`` and
+``scripts/bench_collapse.py`` write and merge theirs through here; ``scripts/benchlib.py`` takes the git
+revision from here as well.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from ..errors import DataError
+from ..fileio import sha256_bytes
+
+#: the source tree this package was imported from (the git checkout whose revision a result names)
+REPO = Path(__file__).resolve().parents[2]
+#: bytes of the model file hashed for its fingerprint (a whole GGUF takes too long to hash per run)
+FINGERPRINT_BYTES = 1 << 20
+
+
+def git_revision(repo: str | os.PathLike = REPO) -> str:
+    """HEAD's commit in ``repo``, with ``-dirty`` when tracked files differ from it; ``unknown`` outside a
+    git checkout or without git."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+        if not rev:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def model_fingerprint(path: Path) -> dict:
+    """The model file's path, size and the sha256 of its first MiB."""
+    with open(path, "rb") as f:
+        head = f.read(FINGERPRINT_BYTES)
+    return {"path": str(path), "size_bytes": path.stat().st_size, "sha256_first_1MiB": sha256_bytes(head)}
+
+
+def machine(threads: int | None) -> dict:
+    """Platform, Python, CPU count and the CPU threads the run asked for (as given: None is the default)."""
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "threads": threads}
+
+
+def command_line() -> str:
+    """This process's command line, shell-quoted."""
+    return shlex.join([sys.executable] + sys.argv)
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_header(model_path: Path, threads: int | None) -> dict:
+    """The provenance a run's result document starts with: command, git_revision, date, machine, model."""
+    return {"command": command_line(), "git_revision": git_revision(), "date": utc_now(),
+            "machine": machine(threads), "model": model_fingerprint(model_path)}
+
+
+def merged_header(docs: list[dict]) -> dict:
+    """The provenance of a result merged from the result documents ``docs`` (machine and model: the first
+    part's), followed by what :func:`merged_settings` and the caller add."""
+    return {"command": command_line(), "parts": [d["command"] for d in docs], "git_revision": git_revision(),
+            "date": utc_now(), "machine": docs[0]["machine"], "model": docs[0]["model"]}
+
+
+def merged_settings(docs: list[dict]) -> dict:
+    """The first part's settings with the policies of every part (in order, once each) and the first
+    calibration any part ran with."""
+    settings = dict(docs[0]["settings"])
+    settings["policies"] = list(dict.fromkeys(p for d in docs for p in d["settings"]["policies"]))
+    settings["calibration"] = next((d["settings"]["calibration"] for d in docs
+                                    if d["settings"].get("calibration")), None)
+    return settings
+
+
+def merged_wall_seconds(docs: list[dict]) -> float:
+    return round(sum(d.get("wall_seconds", 0) for d in docs), 1)
+
+
+def read_result_doc(path: Path, what: str) -> dict:
+    """A result document for ``--merge``: a JSON object with a ``settings`` object (DataError otherwise)."""
+    if not path.is_file():
+        raise DataError(f"--merge: {path} not found")
+    try:
+        d = json.loads(path.read_text())
+    except ValueError as e:
+        raise DataError(f"--merge: {path} is not JSON ({e})") from None
+    if not (isinstance(d, dict) and isinstance(d.get("settings"), dict)):
+        raise DataError(f"--merge: {path} is not {what} (no settings)")
+    return d
+
+
+def settings_mismatch(docs: list[dict], keys: tuple[str, ...]) -> tuple[int, list[str]] | None:
+    """(index of the first document whose settings differ from the first one's in any of ``keys``, those
+    keys), or None when all agree."""
+    for i, d in enumerate(docs[1:], start=1):
+        diff = [k for k in keys if d["settings"].get(k) != docs[0]["settings"].get(k)]
+        if diff:
+            return i, diff
+    return None
