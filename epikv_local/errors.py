@@ -39,6 +39,11 @@ class KVFullError(NativeError):
     """llama_decode found no KV slot for the batch (return code 1) even after the kv-full hook ran."""
 
 
+class CancelledError(EpikvError, RuntimeError):
+    """The generation was cancelled (``Session.cancel``/``Llama.cancel``, a closing session, a server whose
+    client left or that is shutting down) between two of its decode steps."""
+
+
 class FlashAttnError(NativeError):
     """Flash attention was requested but the decode graph did not run it."""
 

@@ -5,7 +5,7 @@
 # runs native tests against those libraries (EPIKV_LIB_DIR) inside the normal Python, with the sanitizer
 # runtimes preloaded. Any sanitizer report fails the run (halt_on_error, UBSan errors are fatal).
 #
-#   bash scripts/sanitize.sh            # CI-sized subset: tests/engine/test_native.py + the property tests on llama.cpp
+#   bash scripts/sanitize.sh            # CI-sized subset: native, property, state, lifetime and boundary tests
 #   bash scripts/sanitize.sh --full     # also generation, policies, state (longer)
 #
 # Leak checking is off: CPython itself is not built with ASan and keeps memory until exit.
@@ -34,7 +34,7 @@ export EPIKV_LIB_DIR="$PWD/$LIB" LLAMA_CPP_LIB_PATH="$PWD/$LIB"
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_odr_violation=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 tests=(tests/engine/test_native.py "tests/engine/test_properties.py::test_bookkeeping_against_the_real_llama_cpp"
-       tests/engine/test_state.py)
+       tests/engine/test_state.py tests/api/test_lifetime.py tests/engine/test_boundary.py)
 if [ "${1:-}" = "--full" ]; then
     tests+=(tests/api/test_generation.py tests/policies/test_policies.py tests/api/test_hardening.py)
 fi

@@ -16,11 +16,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
+import numpy as np
+
 from ..engine.sampling import Sampler, SamplingConfig
 from ..engine.session import Session
 from ..errors import INTERRUPTED, ConfigError
 
-#: why a generation ended: an end-of-generation token, a stop string or ``should_stop``, or ``max_tokens``
+#: why a generation ended: an end-of-generation token, a stop string or ``stopping_criteria``, or ``max_tokens``
 FINISH_REASONS = ("eog", "stop", "max_tokens")
 
 
@@ -78,14 +80,18 @@ class GenerationResponse:
         token, which is not part of the generated text or counts (as in mlx-lm).
     text: the characters this token completed (may be empty: partial UTF-8, or text held back while it could
         still start a stop string; the last item carries whatever was held).
-    finish_reason: None until the last item: "eog", "stop" (a stop string or ``should_stop``) or "max_tokens".
+    finish_reason: None until the last item: "eog", "stop" (a stop string or ``stopping_criteria``) or
+        "max_tokens".
     stats: the statistics as of this item (a snapshot: later items do not change it).
+    logits: (n_vocab,) float32 raw logits this token was sampled from (before any logits processor), only
+        when ``stream_generate(want_logits=True)``; else None.
     """
 
     token: int
     text: str
     finish_reason: str | None
     stats: GenerationStats
+    logits: np.ndarray | None = None
 
     @property
     def generated(self) -> bool:
@@ -94,21 +100,24 @@ class GenerationResponse:
 
 
 def generate_step(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_prefix: bool = False,
-                  on_prefilled: Callable[[int, float], None] | None = None) -> Iterator[int]:
+                  on_prefilled: Callable[[int, float], None] | None = None,
+                  on_logits: Callable[[np.ndarray], None] | None = None) -> Iterator[int]:
     """Prefill the prompt, then yield sampled tokens forever (the caller stops). Evicts as needed.
 
     reuse_prefix: keep the longest common prefix of what the session holds and ``prompt_tokens`` and decode
     only the rest (multi-turn chat on one cache; ``Session.rewind_to_prefix``). Without it the session must
-    be fresh (``Session.reset()``). on_prefilled(n_reused, seconds) is called once the prompt is in the cache.
+    be fresh (``Session.reset()``). on_prefilled(n_reused, seconds) is called once the prompt is in the cache;
+    on_logits(row) before each sample with the (n_vocab,) float32 logits row the sampler will read: it may read
+    it, or change it in place (logits processors).
     """
     if not prompt_tokens:
         raise ConfigError("the prompt is empty")
     with session.generation():
-        yield from _steps(session, prompt_tokens, sampler, reuse_prefix, on_prefilled)
+        yield from _steps(session, prompt_tokens, sampler, reuse_prefix, on_prefilled, on_logits)
 
 
 def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_prefix: bool,
-           on_prefilled) -> Iterator[int]:
+           on_prefilled, on_logits) -> Iterator[int]:
     t0 = time.perf_counter()
     if reuse_prefix:
         start = session.rewind_to_prefix(prompt_tokens)
@@ -124,6 +133,8 @@ def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_p
     while True:
         if INTERRUPTED.is_set():  # a Ctrl-C that Python dropped somewhere (see errors.INTERRUPTED)
             raise KeyboardInterrupt
+        if on_logits is not None:
+            on_logits(session.logits())
         tok = session.sample(sampler)
         yield tok
         session.decode_chunk([tok])
@@ -172,10 +183,17 @@ class _Text:
 def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int | None,
                     sampling: SamplingConfig = SamplingConfig(), stop: tuple[str, ...] = (),
                     ignore_eog: bool = False, reuse_prefix: bool = False,
-                    should_stop: Callable[[list[int]], bool] | None = None) -> Iterator[GenerationResponse]:
+                    stopping_criteria: Callable[[np.ndarray, np.ndarray], bool] | None = None,
+                    logits_processor: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+                    want_logits: bool = False) -> Iterator[GenerationResponse]:
     """Yield one :class:`GenerationResponse` per sampled token until EOG (unless ignore_eog), a stop string,
-    ``should_stop(tokens so far)`` or ``max_tokens`` (None: no limit; the KV budget bounds memory, not
-    length). The last item's ``finish_reason`` says which; its ``stats.stop_reason`` is the same."""
+    ``stopping_criteria`` or ``max_tokens`` (None: no limit; the KV budget bounds memory, not length). The last
+    item's ``finish_reason`` says which; its ``stats.stop_reason`` is the same.
+
+    llama-cpp-python's shapes: ``logits_processor(input_ids, scores) -> scores`` rewrites the (n_vocab,) float32
+    logits before each sample, ``stopping_criteria(input_ids, logits) -> bool`` after it (input_ids: (n,) intc
+    prompt and generated tokens so far; logits: the raw row the last token was sampled from).
+    want_logits: each item carries that raw row (a copy)."""
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ConfigError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
     if any(not isinstance(s, str) or not s for s in stop):
@@ -201,30 +219,62 @@ def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int 
 
     text = _Text(tuple(stop))
     generated: list[int] = []
+    ids = _TokenIds(prompt_tokens) if stopping_criteria is not None or logits_processor is not None else None
+    raw: list[np.ndarray | None] = [None]  # the row the next token is sampled from (when someone reads it)
+
+    def before_sample(row: np.ndarray) -> None:
+        keep = want_logits or (stopping_criteria is not None and logits_processor is not None)
+        raw[0] = row.copy() if keep else row
+        if logits_processor is not None:
+            row[:] = logits_processor(ids.view(), row)
+
+    hook = before_sample if (want_logits or ids is not None) else None
     with session.sampling(sampling) as sampler:
-        steps = generate_step(session, prompt_tokens, sampler, reuse_prefix, prefilled)
+        steps = generate_step(session, prompt_tokens, sampler, reuse_prefix, prefilled, hook)
         try:
             for tok in steps:
                 stats.decode_seconds += time.perf_counter() - clock[0]  # decoding the last token, sampling this
+                logits = raw[0] if want_logits else None
                 if model.is_eog(tok) and not ignore_eog:
-                    yield GenerationResponse(tok, text.flush(), "eog", snapshot("eog"))
+                    yield GenerationResponse(tok, text.flush(), "eog", snapshot("eog"), logits)
                     return
                 generated.append(tok)
+                if ids is not None:
+                    ids.append(tok)
                 stats.n_generated_tokens = len(generated)
                 piece, stopped = text.add(model.token_bytes(tok))
                 reason = "stop" if stopped else None
-                if reason is None and should_stop is not None and should_stop(generated):
+                if reason is None and stopping_criteria is not None and stopping_criteria(ids.view(), raw[0]):
                     reason = "stop"
                 if reason is None and max_tokens is not None and len(generated) >= max_tokens:
                     reason = "max_tokens"
                 if reason is not None and not stopped:
                     piece += text.flush()
-                yield GenerationResponse(tok, piece, reason, snapshot(reason))
+                yield GenerationResponse(tok, piece, reason, snapshot(reason), logits)
                 if reason is not None:
                     return
                 clock[0] = time.perf_counter()
         finally:
             steps.close()
+
+
+class _TokenIds:
+    """The sequence's token ids as one growing (n,) intc array (llama-cpp-python's ``input_ids``), appended in
+    place rather than rebuilt for every token."""
+
+    def __init__(self, prompt: list[int]):
+        self.buf = np.empty(max(64, 2 * len(prompt)), dtype=np.intc)
+        self.buf[:len(prompt)] = prompt
+        self.n = len(prompt)
+
+    def append(self, token: int) -> None:
+        if self.n == len(self.buf):
+            self.buf = np.concatenate([self.buf, np.empty(len(self.buf), dtype=np.intc)])
+        self.buf[self.n] = token
+        self.n += 1
+
+    def view(self) -> np.ndarray:
+        return self.buf[:self.n]
 
 
 @dataclass

@@ -73,27 +73,6 @@ def check_messages(messages) -> None:
                               f"{type(content).__name__}")
 
 
-def _criteria(stopping_criteria, prompt: list[int], session: Session):
-    """llama-cpp-python's ``stopping_criteria(tokens, logits)`` as our ``should_stop(generated)``, with the
-    token array grown in place (not rebuilt per token)."""
-    import numpy as np
-
-    buf = np.empty(max(64, 2 * len(prompt)), dtype=np.intc)
-    buf[:len(prompt)] = prompt
-    state = {"n": len(prompt), "buf": buf}
-
-    def should_stop(generated: list[int]) -> bool:
-        n = len(prompt) + len(generated)
-        if n > len(state["buf"]):
-            grown = np.empty(2 * n, dtype=np.intc)
-            grown[:state["n"]] = state["buf"][:state["n"]]
-            state["buf"] = grown
-        state["buf"][state["n"]:n] = generated[state["n"] - len(prompt):]
-        state["n"] = n
-        return bool(stopping_criteria(state["buf"][:n], session.logits()))
-    return should_stop
-
-
 class Llama(Closing):
     """A GGUF model with one budgeted KV cache, shaped like ``llama_cpp.Llama`` (see docs/api.md).
 
@@ -107,6 +86,8 @@ class Llama(Closing):
     flash_attn: on by default (attention-free eviction keeps it on; the attention-based policies need it off).
     reasoning_format: "deepseek" (split ``<think>`` into ``reasoning_content``) or "none".
     rpc_servers: ``"host:port,host:port"`` of llama.cpp ``rpc-server`` processes to offload layers to (docs/rpc.md).
+    max_prompt_tokens: refuse (ConfigError) a call whose prompt has more tokens, before any of it is decoded
+        (None: no limit; a server sets one so that no request can hold the model for a day of prefill).
     """
 
     def __init__(self, model_path: str | os.PathLike, *, n_gpu_layers: int = -1, n_ctx: int | None = None,
@@ -116,7 +97,7 @@ class Llama(Closing):
                  kv_policy_settings: dict | None = None, n_sink: int = 4, n_recent: int | None = None,
                  recent_fraction: float | None = None, protect_prompt: bool = True, evict_chunk: int = 16,
                  reasoning_format: str = "deepseek", capture_route: str = "layer_out",
-                 rpc_servers: str | list[str] | None = None, **kwargs: Any):
+                 rpc_servers: str | list[str] | None = None, max_prompt_tokens: int | None = None, **kwargs: Any):
         unknown = sorted(set(kwargs) - IGNORED_ARGS)
         if unknown:
             raise TypeError(f"Llama() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
@@ -134,6 +115,10 @@ class Llama(Closing):
             raise ConfigError(f"reasoning_format must be one of {FORMATS}, got {reasoning_format!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
             raise ConfigError(f"seed must be an integer in 0..{MAX_SEED}, got {seed!r}")
+        if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool) or not isinstance(
+                max_prompt_tokens, int) or max_prompt_tokens < 1):
+            raise ConfigError(f"max_prompt_tokens must be an integer >= 1 or None, got {max_prompt_tokens!r}")
+        self.max_prompt_tokens = max_prompt_tokens
         self.model_path = str(model_path)
         self.verbose = verbose
         self.seed = seed
@@ -202,7 +187,9 @@ class Llama(Closing):
 
     # -- ownership -----------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the context and the model (also done by ``with``)."""
+        """Free the context and the model (also done by ``with``). From another thread while a call streams:
+        that stream stops at its next step with a NativeError ("session is closed"); the step in flight ends
+        first, so no native memory is freed under it."""
         stack, self._stack = getattr(self, "_stack", None), None
         if stack is not None:
             stack.close()
@@ -236,18 +223,28 @@ class Llama(Closing):
         """The KV budget (live cells); llama-cpp-python's context size is replaced by it."""
         return self.session.budget.kv_budget
 
+    @property
+    def _open_model(self) -> Model:
+        self.session  # ConfigError once this Llama is closed
+        return self._model
+
     def n_vocab(self) -> int:
-        return self._model.info.n_vocab
+        return self._open_model.info.n_vocab
 
     def token_eos(self) -> int:
-        return self._model.token_eos()
+        return self._open_model.token_eos()
 
     def token_bos(self) -> int:
-        return self._model.token_bos()
+        return self._open_model.token_bos()
 
     @property
     def metadata(self) -> dict[str, str]:
-        return self._model.metadata()
+        return self._open_model.metadata()
+
+    def cancel(self) -> None:
+        """Stop the call in progress from any thread: its stream raises CancelledError before its next decode
+        step (a long prompt stops within one ``n_batch`` chunk of its prefill). No effect when none runs."""
+        self.session.cancel()
 
     def reset(self) -> None:
         """Forget the conversation: the next call starts a new sequence."""
@@ -355,15 +352,17 @@ class Llama(Closing):
             raise ConfigError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not tokens:
             raise ConfigError("the prompt is empty")
+        if self.max_prompt_tokens is not None and len(tokens) > self.max_prompt_tokens:
+            raise ConfigError(f"the prompt has {len(tokens)} tokens, over the limit of {self.max_prompt_tokens} "
+                              "(max_prompt_tokens)")
         sampling = self._sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, frequency_penalty,
                                   presence_penalty, seed, logit_bias)
         with self._lock:
             self._generation += 1
             generation = self._generation
             self._close_active()
-        should_stop = _criteria(stopping_criteria, tokens, session) if stopping_criteria is not None else None
         items = stream_generate(session, tokens, max_tokens, sampling, tuple(stops), reuse_prefix=True,
-                                should_stop=should_stop)
+                                stopping_criteria=stopping_criteria)
         echo_text = (prompt_text if prompt_text is not None else self.detokenize(tokens).decode("utf-8", "replace")
                      ) if echo else ""
         steps = _primed(self._completion_chunks(items, model or self.model_path, echo_text, generation))

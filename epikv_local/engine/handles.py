@@ -10,9 +10,12 @@ close while a context on it is open (the context holds a reference to it, llama-
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -171,7 +174,12 @@ class Closing:
 
 
 class _Owned(Closing):
-    """An owned native handle: ``handle`` raises once closed; ``close()`` frees it once (``_free``)."""
+    """An owned native handle: ``handle`` raises once closed; ``close()`` frees it once (``_free``).
+
+    Methods that call into the native object are marked :func:`native_call`: each call counts as a use, and
+    ``close()`` from another thread waits until no use is in flight before it frees anything (later calls
+    raise NativeError "... is closed"), so a thread can never free native memory under another thread's call.
+    """
 
     _what = "handle"
     _handle = None
@@ -186,13 +194,60 @@ class _Owned(Closing):
     def closed(self) -> bool:
         return self._handle is None
 
+    def _uses(self) -> tuple[threading.Condition, dict]:
+        guard = self.__dict__.get("_guard")
+        if guard is None:  # created on first use: subclasses need not call a base __init__
+            guard = self.__dict__.setdefault("_guard", threading.Condition())
+            self.__dict__.setdefault("_users", {})
+        return guard, self.__dict__["_users"]
+
+    @contextlib.contextmanager
+    def using(self):
+        """One native call on this object (re-entrant: a callback inside the call may make more)."""
+        guard, users = self._uses()
+        me = threading.get_ident()
+        with guard:
+            if self._handle is None or self.__dict__.get("_closing"):
+                raise NativeError(f"{self._what} is closed")
+            users[me] = users.get(me, 0) + 1
+        try:
+            yield self._handle
+        finally:
+            with guard:
+                users[me] -= 1
+                if not users[me]:
+                    del users[me]
+                guard.notify_all()
+
     def close(self) -> None:
-        if self._handle is not None:
-            self._free()
-            self._handle = None
+        if self._handle is None:
+            return
+        guard, users = self._uses()
+        with guard:
+            if threading.get_ident() in users:
+                raise NativeError(f"cannot close the {self._what} from inside one of its own calls")
+            self._closing = True
+            try:
+                while users:  # another thread's call is in flight: it finishes first
+                    guard.wait()
+                if self._handle is not None:
+                    self._free()
+                    self._handle = None
+            finally:
+                self._closing = False
 
     def _free(self) -> None:
         raise NotImplementedError
+
+
+def native_call(method):
+    """Mark a method of an :class:`_Owned` object that calls into its native handle (see ``_Owned``)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self.using():
+            return method(self, *args, **kwargs)
+    return call
 
 
 class Model(_Owned):
@@ -266,6 +321,7 @@ class Model(_Owned):
         self._vocab = None
 
     # -- metadata, tokens --------------------------------------------------------------------------------
+    @native_call
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
         n = self.nat.llama.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
@@ -276,6 +332,7 @@ class Model(_Owned):
             self.nat.llama.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace")
 
+    @native_call
     def metadata(self) -> dict[str, str]:
         """Every GGUF metadata key/value pair as strings (as llama-cpp-python's ``Llama.metadata``)."""
         ll, h = self.nat.llama, self.handle
@@ -296,6 +353,7 @@ class Model(_Owned):
                 out[key] = buf.value.decode("utf-8", "replace")
         return out
 
+    @native_call
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Text -> token ids (llama_tokenize). ConfigError for text that is not valid Unicode (e.g. undecodable
         bytes from a command line, which Python keeps as lone surrogates)."""
@@ -315,6 +373,7 @@ class Model(_Owned):
                 raise NativeError(f"llama_tokenize failed ({n})")
         return list(arr[:n])
 
+    @native_call
     def token_bytes(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token's piece (may be a partial UTF-8 sequence)."""
         buf = ctypes.create_string_buffer(64)
@@ -324,22 +383,28 @@ class Model(_Owned):
             n = self.nat.llama.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
+    @native_call
     def is_eog(self, token: int) -> bool:
         return bool(self.nat.llama.llama_vocab_is_eog(self.vocab, token))
 
+    @native_call
     def token_text(self, token: int) -> str:
         return self.nat.llama.llama_vocab_get_text(self.vocab, token).decode("utf-8", "replace")
 
+    @native_call
     def token_eos(self) -> int:
         return int(self.nat.llama.llama_vocab_eos(self.vocab))
 
+    @native_call
     def token_bos(self) -> int:
         return int(self.nat.llama.llama_vocab_bos(self.vocab))
 
+    @native_call
     def bos_text(self) -> str:
         tok = self.nat.llama.llama_vocab_bos(self.vocab)
         return self.token_text(tok) if tok >= 0 else ""
 
+    @native_call
     def eos_text(self) -> str:
         tok = self.nat.llama.llama_vocab_eos(self.vocab)
         return self.token_text(tok) if tok >= 0 else ""
@@ -417,6 +482,7 @@ class Context(_Owned):
             self.model.close()
 
     # -- decode -----------------------------------------------------------------------------------------
+    @native_call
     def decode(self, tokens: list[int], positions: list[int] | np.ndarray, logits_last: bool = True,
                logits_all: bool = False, seq_id: "int | list[int] | np.ndarray" = 0) -> None:
         """Decode tokens at the given positions of ``seq_id`` (positions need not be dense). ``seq_id`` may be
@@ -481,6 +547,7 @@ class Context(_Owned):
         for _ in self.prefill_chunks(tokens, start, chunk, seq_id, logits_from):
             pass
 
+    @native_call
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits of output row i of the last decode, shape (n_vocab,), float32 (a view; copy to keep)."""
         ptr = self.nat.llama.llama_get_logits_ith(self.handle, i)
@@ -489,6 +556,7 @@ class Context(_Owned):
         return np.ctypeslib.as_array(ptr, shape=(self.model.info.n_vocab,))
 
     # -- memory -----------------------------------------------------------------------------------------
+    @native_call
     def seq_rm_positions(self, positions: np.ndarray, seq_id: int = 0) -> int:
         """Remove the listed positions of seq_id in one pass (patched llama_memory_seq_rm_pos).
 
@@ -508,17 +576,20 @@ class Context(_Owned):
             raise NativeError(f"llama_memory_seq_rm_pos failed with code {n}")
         return n
 
+    @native_call
     def seq_rm_range(self, p0: int, p1: int, seq_id: int = 0) -> None:
         """Remove positions [p0, p1) of seq_id (stock llama_memory_seq_rm)."""
         self.handle
         if not self.nat.llama.llama_memory_seq_rm(self.mem, seq_id, p0, p1):
             raise NativeError(f"llama_memory_seq_rm({seq_id}, {p0}, {p1}) failed")
 
+    @native_call
     def seq_copy(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make seq ``dst`` share the cells of ``src`` in [p0, p1) (llama_memory_seq_cp; no data copy when unified)."""
         self.handle
         self.nat.llama.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
 
+    @native_call
     def seq_state(self, seq_id: int = 0) -> bytes:
         """The KV cells of ``seq_id`` (positions, K and V) as llama.cpp serialises them
         (``llama_state_seq_get_data``); holes left by evictions are kept."""
@@ -530,6 +601,7 @@ class Context(_Owned):
             raise self.nat.error(f"llama_state_seq_get_data wrote {got} of {n} bytes")
         return bytes(buf[:n])
 
+    @native_call
     def set_seq_state(self, data: bytes, seq_id: int = 0) -> None:
         """Replace ``seq_id`` with a state from :meth:`seq_state` (same model and cache types);
         NativeError when llama.cpp refuses it (wrong model, cache types, too few cells)."""
@@ -541,6 +613,7 @@ class Context(_Owned):
         if got != len(data) or got == 0:
             raise self.nat.error(f"llama.cpp refused the sequence state ({got} of {len(data)} bytes read)")
 
+    @native_call
     def clear(self) -> None:
         """Empty the KV cache (all sequences)."""
         self.handle
@@ -569,6 +642,7 @@ class Context(_Owned):
         self.nat.lib.llama_set_kv_full_callback(self._ctx_c, _cb, ffi.NULL)
 
     # -- capture (patched API) --------------------------------------------------------------------------
+    @native_call
     def set_layer_capture(self, il: int, enable: bool = True, kind: int = CAPTURE_OUT) -> None:
         """Capture layer il's output (kind=CAPTURE_OUT, "l_out"), keys (CAPTURE_K, "Kcur") or queries (CAPTURE_Q,
         "Qcur") from now on."""
@@ -584,6 +658,7 @@ class Context(_Owned):
     def set_layer_out(self, il: int, enable: bool = True) -> None:
         self.set_layer_capture(il, enable, CAPTURE_OUT)
 
+    @native_call
     def layer_capture(self, il: int, n_tokens: int, kind: int = CAPTURE_OUT) -> np.ndarray | None:
         """Captured rows of layer il for the last decode, shape (n_tokens, n_row) float32 view (valid until the
         next decode); None when the graph had no such tensor."""
@@ -603,6 +678,7 @@ class Context(_Owned):
         """Keys after RoPE of layer il for the last decode: (n_tokens, n_head_kv * head_dim) float32 view."""
         return self.layer_capture(il, n_tokens, CAPTURE_K)
 
+    @native_call
     def cell_positions(self, seq_id: int = 0) -> np.ndarray:
         """Position held by each KV cell for seq_id, -1 for cells not holding it: (n_cells,) int32."""
         self.handle

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ConfigError, NativeError
+from ..errors import CancelledError, ConfigError, NativeError
 from ..policies.base import Policy
 from .budget import BudgetConfig, EngineStats, EvictionEngine, context_cells
 from .capture import ROUTES, CapturePlan
@@ -107,9 +107,11 @@ class Session(Closing):
         n_ctx = self.cfg.n_ctx or context_cells(budget.kv_budget, self.cfg.n_batch)
         if n_ctx < budget.kv_budget:
             raise ConfigError(f"n_ctx {n_ctx} is smaller than kv_budget {budget.kv_budget}")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for the length of one session call (a decode, a sample, ...)
+        self._owner: int | None = None  # the thread holding it
         self._generating = False
         self._samplers: set[Sampler] = set()
+        self._cancel = threading.Event()  # set by cancel() or close() from any thread
         with contextlib.ExitStack() as stack:
             handle = plan.open(model.nat, info.n_embd, self.cfg.n_batch)
             if handle is not None:
@@ -135,11 +137,21 @@ class Session(Closing):
         return self._stack is None
 
     def close(self) -> None:
-        if getattr(self, "_stack", None) is not None:
+        """Free the context and the capture. From another thread while a generation runs: that generation
+        stops at its next step (NativeError "session is closed"); the step in flight finishes first, so native
+        memory is never freed under it."""
+        if getattr(self, "_stack", None) is None:
+            return
+        if getattr(self, "_owner", None) == threading.get_ident():
+            raise NativeError("cannot close the session from inside one of its own calls")
+        self._cancel.set()  # a generation running in another thread stops at its next step
+        with self._lock:  # waits for the session call in flight (one decode or sample) to finish
             stack, self._stack = self._stack, None
-            for sampler in list(self._samplers):  # chains still open: free them before their context
-                sampler.close()
+            if stack is None:
+                return
             stack.close()
+            for sampler in list(self._samplers):  # chains still open: they sampled from that context
+                sampler.close()
 
 
     @contextlib.contextmanager
@@ -149,9 +161,13 @@ class Session(Closing):
         if not self._lock.acquire(blocking=False):
             raise ConfigError("this session is in use by another thread: one session serves one generation at a "
                               "time (use one session per thread)")
+        self._owner = threading.get_ident()
         try:
+            if self.closed:  # closed while this thread waited for nothing: the lock was free just now
+                raise NativeError("session is closed")
             yield
         finally:
+            self._owner = None
             self._lock.release()
 
     @contextlib.contextmanager
@@ -165,10 +181,23 @@ class Session(Closing):
                 raise ConfigError("this session is already generating (another thread or an unfinished stream): "
                                   "finish or close that generation first, or use another session")
             self._generating = True
+            self._cancel.clear()  # a cancel() aimed at an earlier generation does not stop this one
         try:
             yield self
         finally:
             self._generating = False
+
+    def cancel(self) -> None:
+        """Stop the generation in progress (from any thread): it raises CancelledError before its next decode
+        of at most ``n_batch`` tokens or its next sample, so a long prefill stops within one ubatch. No effect
+        when none runs (the next generation clears it)."""
+        self._cancel.set()
+
+    def _check_cancelled(self) -> None:
+        if self._cancel.is_set():
+            if self.closed:
+                raise NativeError("session is closed")
+            raise CancelledError("the generation was cancelled")
 
     # -- what callers read ---------------------------------------------------------------------------------
     @property
@@ -216,6 +245,8 @@ class Session(Closing):
 
     def logits(self, i: int = -1) -> np.ndarray:
         """(n_vocab,) float32 logits of output row i of the last decode (a view: copy to keep)."""
+        if self.closed:
+            raise NativeError("session is closed")
         return self.ctx.logits(i)
 
     def stats(self) -> SessionStats:
@@ -292,8 +323,9 @@ class Session(Closing):
 
     def sample(self, sampler: Sampler) -> int:
         """Sample the next token from the last decode's logits with ``sampler`` (see :meth:`sampling`)."""
-        with self._use():
-            return sampler.sample(self.ctx.handle)
+        self._check_cancelled()
+        with self._use(), self.ctx.using() as handle:
+            return sampler.sample(handle)
 
     def begin_prompt(self, n_prompt: int) -> None:
         """The next ``n_prompt`` tokens fed are a prompt: check that it fits the budget (BudgetError) and
@@ -321,6 +353,8 @@ class Session(Closing):
 
     def decode_chunk(self, part: list[int], logits_all: bool = False, logits_last: bool = True) -> None:
         """Evict if needed, decode ``part`` (<= n_batch tokens) at the next positions, score the new tokens."""
+        if self._generating:
+            self._check_cancelled()
         with self._use():
             n = len(part)
             self.engine.make_room(n)

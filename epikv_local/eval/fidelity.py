@@ -399,7 +399,7 @@ def evaluate_trace(model: Model, tokens: list[int], policies: "list[str | Policy
             budget = BudgetConfig(kv_budget=b, n_sink=n_sink, recent_fraction=rf, protect_prompt=False)
             row = compare_pass(model, full, ref, name, budget, chunk, n_threads=n_threads, spans=spans,
                                keep_positions=keep_positions)
-            row.update({"chunk": chunk, "n_sink": n_sink, "n_recent": budget.recent,
+            row.update({"chunk": chunk, "n_sink": n_sink, "n_recent": budget.recent_window,
                         "recent_fraction": rf})
             rows.append(row)
             if progress:
