@@ -27,8 +27,8 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
         p.add_argument("-p", "--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", default=demo, help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("-n", "--max-tokens", type=int, default=600 if demo else None,
-                   help="stop after this many tokens (default: none for generate, the KV budget bounds memory)")
+    p.add_argument("-n", "--max-tokens", type=int, default=600 if demo else None, metavar="N",
+                   help="stop after this many tokens (unset: no limit; the KV budget bounds memory, not length)")
     add_budget_args(p, **({"kv_budget": 256} if demo else {}))  # demo: a budget its 600 tokens overrun
     add_sampling_args(p)
     p.add_argument("--capture", choices=["layer_out", "callback"], default="layer_out", help="capture route of g")
@@ -43,23 +43,31 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
                         "calibration) and show both runs side by side")
 
 
+#: commands whose arguments all go, untouched, to another program: {command: the Namespace attribute holding them}.
+#: The command line hands over everything after the command's name (options starting with "-" included, which
+#: argparse would otherwise claim); see epikv_local.cli
+PASSTHROUGH = {"rpc-server": "rpc_args"}
+
+
 def add_commands(sub) -> dict:
-    """Add the product's subcommands to ``sub``; returns {command name: runner(args) -> exit status}."""
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-    _add_run_args(sub.add_parser("generate", help="generate text under a KV budget", formatter_class=fmt),
-                  demo=False)
-    _add_run_args(sub.add_parser("demo", help="reasoning prompt on the default model (SmolLM2-135M)",
-                                 formatter_class=fmt), demo=True)
+    """Add the product's subcommands to ``sub``; returns {command name: runner(args) -> exit status}. The help
+    format (every default shown once) is the composition root's, set on every subparser there."""
+    _add_run_args(sub.add_parser("generate", help="generate text under a KV budget"), demo=False)
+    _add_run_args(sub.add_parser("demo", help="reasoning prompt on the default model (SmolLM2-135M)"), demo=True)
     sub.add_parser("fetch-model", help="download and cache the default model; print its path")
     from . import server, terminal  # their heavy dependencies are imported by run(), not here
 
-    server.add_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server with a KV budget", formatter_class=fmt))
-    terminal.add_args(sub.add_parser("chat", help="interactive terminal chat on one budgeted cache",
-                                     formatter_class=fmt))
-    rp = sub.add_parser("rpc-server", help="llama.cpp's rpc-server (built with this package): offer this machine's "
-                                           "backend to another machine's epikv-local --rpc; trusted networks only")
-    rp.add_argument("rpc_args", nargs=argparse.REMAINDER, help="its options: -H HOST (default 127.0.0.1), -p PORT, "
-                                                               "-t THREADS, -d DEVICES, -c")
+    server.add_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server with a KV budget"))
+    terminal.add_args(sub.add_parser("chat", help="interactive terminal chat on one budgeted cache"))
+    rp = sub.add_parser("rpc-server", add_help=False,
+                        help="llama.cpp's rpc-server (built with this package): offer this machine's backend to "
+                             "another machine's epikv-local --rpc; trusted networks only",
+                        description="llama.cpp's rpc-server, built with this package. Every argument goes to it "
+                                    "untouched ('epikv-local rpc-server --help' prints its own help). The RPC "
+                                    "protocol is unauthenticated: trusted networks only (docs/rpc.md).")
+    rp.add_argument("rpc_args", nargs=argparse.REMAINDER, metavar="OPTIONS",
+                    help="its options: -H HOST (default: 127.0.0.1), -p PORT (default: 50052), -t THREADS, "
+                         "-d DEVICES, -c (local file cache)")
     return {"generate": run_generate, "demo": run_generate, "fetch-model": run_fetch_model, "serve": server.run,
             "chat": terminal.run, "rpc-server": run_rpc_server}
 
@@ -79,9 +87,12 @@ def rpc_server_path():
 
 
 def run_rpc_server(args) -> int:
+    """Replace this process by the rpc-server binary with the arguments as given (it never returns)."""
     import os
 
     exe = rpc_server_path()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os.execv(str(exe), [str(exe), *args.rpc_args])
 
 
@@ -95,12 +106,11 @@ def run_fetch_model(args) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from ..engine.handles import Model, check_gguf
     from ..engine.native import load
-    from ..engine.sampling import SamplingConfig
     from ..errors import ConfigError
     from .chat import apply_chat_template, tokenize_prompt
     from .generation import generate
     from .models import default_model_path
-    from .options import session_kwargs
+    from .options import check_grammar, reasoning_kwargs, sampling_config, session_kwargs
     from .session_spec import resolve_session
 
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -110,8 +120,10 @@ def run_generate(args: argparse.Namespace) -> int:
     model_path = default_model_path() if args.cmd == "demo" else check_gguf(args.model)
     prompt = DEMO_PROMPT if args.cmd == "demo" else args.prompt
     spec = resolve_session(model_path, **session_kwargs(args))
-    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              min_p=args.min_p, repeat_penalty=args.repeat_penalty)
+    sampling = sampling_config(args)
+    reasoning = reasoning_kwargs(args, generate, args.cmd)
+    if args.html_compare and reasoning.get("reasoning_budget", -1) != -1:
+        raise ConfigError("--html-compare runs without a reasoning budget: drop --reasoning-budget or the comparison")
     if args.system and not args.chat:
         raise ConfigError("--system needs --chat (the system message goes into the chat template)")
     if args.html_compare and not args.html:
@@ -123,6 +135,7 @@ def run_generate(args: argparse.Namespace) -> int:
         view = PageBuilder(args.html, args.html_compare, model_path, session_kwargs(args))
     nat = load(verbose=args.verbose)
     with Model(model_path, n_gpu_layers=args.n_gpu_layers, native=nat, rpc_servers=args.rpc) as model:
+        check_grammar(model, sampling)
         text = apply_chat_template(model, prompt, system=args.system) if args.chat else prompt
         tokens = tokenize_prompt(model, text)
         stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
@@ -131,7 +144,7 @@ def run_generate(args: argparse.Namespace) -> int:
             if spec.calibration is not None:  # said once the settings are known to work: errors stay one line
                 print(f"epikv-local: using calibration {spec.calibration.path}", file=sys.stderr)
             result = generate(session, tokens, args.max_tokens, sampling, tuple(args.stop), on_text=stream,
-                              ignore_eog=args.ignore_eos)
+                              ignore_eog=args.ignore_eos, **reasoning)
             if view is not None:
                 view.add(session, tokens, result, spec.calibration.path if spec.calibration else None)
         if view is not None:

@@ -7,12 +7,19 @@ statistics; the last one has a ``finish_reason``. ``generate`` collects the text
 last item. Positions are dense token indices; evicted positions leave holes in the cache, so
 llama-cpp-python's high-level ``Llama`` (which assumes dense positions) is not used. Sampling settings and the
 sampler chain live in :mod:`epikv_local.engine.sampling`, prompts in :mod:`.chat`.
+
+A reasoning budget (:class:`ReasoningBudget`) caps the tokens generated inside an open ``<think>`` block: once
+it is spent, the closing tag's tokens are forced into the sequence as if generated (``generate_step``'s
+``forced`` hook), decoded through the same session step as a sampled token, so eviction, statistics and the
+stream see them like any other token.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
@@ -21,6 +28,7 @@ import numpy as np
 from ..engine.sampling import Sampler, SamplingConfig
 from ..engine.session import Session
 from ..errors import INTERRUPTED, ConfigError
+from .reasoning import CLOSE, OPEN
 
 #: why a generation ended: an end-of-generation token, a stop string or ``stopping_criteria``, or ``max_tokens``
 FINISH_REASONS = ("eog", "stop", "max_tokens")
@@ -51,6 +59,8 @@ class GenerationStats:
     capture_route: str | None = None
     layers: list[int] = field(default_factory=list)
     stop_reason: str = ""
+    n_reasoning_tokens: int = 0  # generated inside the open <think> block (a forced closing tag not counted)
+    reasoning_forced_close: bool = False  # the reasoning budget ran out and </think> was forced
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -101,23 +111,26 @@ class GenerationResponse:
 
 def generate_step(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_prefix: bool = False,
                   on_prefilled: Callable[[int, float], None] | None = None,
-                  on_logits: Callable[[np.ndarray], None] | None = None) -> Iterator[int]:
+                  on_logits: Callable[[np.ndarray], None] | None = None,
+                  forced: Callable[[], int | None] | None = None) -> Iterator[int]:
     """Prefill the prompt, then yield sampled tokens forever (the caller stops). Evicts as needed.
 
     reuse_prefix: keep the longest common prefix of what the session holds and ``prompt_tokens`` and decode
     only the rest (multi-turn chat on one cache; ``Session.rewind_to_prefix``). Without it the session must
     be fresh (``Session.reset()``). on_prefilled(n_reused, seconds) is called once the prompt is in the cache;
     on_logits(row) before each sample with the (n_vocab,) float32 logits row the sampler will read: it may read
-    it, or change it in place (logits processors).
+    it, or change it in place (logits processors). forced() is asked before each step for a token to put
+    next instead of sampling one (None: sample): it is fed to the chain's penalties as if sampled (not to
+    on_logits, which is for sampling), yielded and decoded like a sampled token.
     """
     if not prompt_tokens:
         raise ConfigError("the prompt is empty")
     with session.generation():
-        yield from _steps(session, prompt_tokens, sampler, reuse_prefix, on_prefilled, on_logits)
+        yield from _steps(session, prompt_tokens, sampler, reuse_prefix, on_prefilled, on_logits, forced)
 
 
 def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_prefix: bool,
-           on_prefilled, on_logits) -> Iterator[int]:
+           on_prefilled, on_logits, forced) -> Iterator[int]:
     t0 = time.perf_counter()
     if reuse_prefix:
         start = session.rewind_to_prefix(prompt_tokens)
@@ -133,11 +146,74 @@ def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_p
     while True:
         if INTERRUPTED.is_set():  # a Ctrl-C that Python dropped somewhere (see errors.INTERRUPTED)
             raise KeyboardInterrupt
-        if on_logits is not None:
-            on_logits(session.logits())
-        tok = session.sample(sampler)
+        tok = forced() if forced is not None else None
+        if tok is None:
+            if on_logits is not None:
+                on_logits(session.logits())
+            tok = session.sample(sampler)
+        else:
+            sampler.accept_generated([tok])
         yield tok
         session.decode_chunk([tok])
+
+
+@dataclass(frozen=True)
+class ReasoningBudget:
+    """The reasoning budget of one generation.
+
+    budget: tokens the model may generate inside an open ``<think>`` block before ``close_tokens`` are forced
+        (-1: unlimited, only counted; 0: close at once). close_tokens: the closing tag's token ids (``</think>``
+        tokenized with special parsing). starts_open: the prompt ends inside an open block (a reasoning model's
+        generation prompt ending with ``<think>``); otherwise the block opens when the model writes ``<think>``
+        (only the first one counts, as in the reasoning splitter).
+    """
+
+    budget: int = -1
+    close_tokens: tuple[int, ...] = ()
+    starts_open: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < -1:
+            raise ConfigError(f"reasoning_budget must be an integer >= -1 (-1: unlimited), got {self.budget!r}")
+        if self.budget >= 0 and not self.close_tokens:
+            raise ConfigError("a reasoning budget needs the closing tag's tokens")
+
+
+class _Thinking:
+    """Where a generation stands with its ``<think>`` block: counts the tokens generated inside it and, once
+    the budget is spent, hands out the closing tag's tokens one step at a time (:meth:`next_forced`)."""
+
+    def __init__(self, cfg: ReasoningBudget, enforce: bool):
+        self.cfg = cfg
+        self.enforce = enforce and cfg.budget >= 0
+        self.open = self.seen_open = cfg.starts_open
+        self.n_tokens = 0
+        self.forced_close = False
+        self._queue: deque[int] = deque()
+        self._tail = ""  # the last characters seen: a tag may be split over tokens
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next_forced(self) -> int | None:
+        """The token to force at this step, or None (sample)."""
+        if not self._queue and self.enforce and self.open and not self.forced_close \
+                and self.n_tokens >= self.cfg.budget:
+            self._queue.extend(self.cfg.close_tokens)
+            self.forced_close = True
+        return self._queue.popleft() if self._queue else None
+
+    def on_token(self, data: bytes, forced: bool) -> None:
+        """A token was generated (``data``: its bytes): count it and follow the tags in the text."""
+        if self.open and not forced:
+            self.n_tokens += 1
+        text = self._tail + self._decoder.decode(data)
+        if self.open:
+            if CLOSE in text:
+                self.open = False
+                self._queue.clear()
+        elif not self.seen_open and OPEN in text:
+            self.open = self.seen_open = True
+            text = text[text.index(OPEN) + len(OPEN):]
+        self._tail = text[-(len(CLOSE) - 1):]
 
 
 class _Text:
@@ -185,7 +261,8 @@ def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int 
                     ignore_eog: bool = False, reuse_prefix: bool = False,
                     stopping_criteria: Callable[[np.ndarray, np.ndarray], bool] | None = None,
                     logits_processor: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-                    want_logits: bool = False) -> Iterator[GenerationResponse]:
+                    want_logits: bool = False,
+                    reasoning: ReasoningBudget | None = None) -> Iterator[GenerationResponse]:
     """Yield one :class:`GenerationResponse` per sampled token until EOG (unless ignore_eog), a stop string,
     ``stopping_criteria`` or ``max_tokens`` (None: no limit; the KV budget bounds memory, not length). The last
     item's ``finish_reason`` says which; its ``stats.stop_reason`` is the same.
@@ -193,7 +270,10 @@ def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int 
     llama-cpp-python's shapes: ``logits_processor(input_ids, scores) -> scores`` rewrites the (n_vocab,) float32
     logits before each sample, ``stopping_criteria(input_ids, logits) -> bool`` after it (input_ids: (n,) intc
     prompt and generated tokens so far; logits: the raw row the last token was sampled from).
-    want_logits: each item carries that raw row (a copy)."""
+    want_logits: each item carries that raw row (a copy).
+    reasoning: count the tokens of the ``<think>`` block (``stats.n_reasoning_tokens``) and, with a budget >= 0,
+    force its closing tag once the budget is spent (``stats.reasoning_forced_close``). Not while a grammar
+    constrains the sampling: the forced text would leave the grammar's state behind (it never saw it)."""
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ConfigError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
     if any(not isinstance(s, str) or not s for s in stop):
@@ -229,8 +309,19 @@ def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int 
             row[:] = logits_processor(ids.view(), row)
 
     hook = before_sample if (want_logits or ids is not None) else None
+    thinking = _Thinking(reasoning, enforce=sampling.grammar is None) if reasoning is not None else None
+    was_forced = [False]
+
+    def forced() -> int | None:
+        tok = thinking.next_forced()
+        was_forced[0] = tok is not None
+        if tok is not None and want_logits:
+            raw[0] = session.logits().copy()  # the row the forced token stands in for (logprobs read it)
+        return tok
+
     with session.sampling(sampling) as sampler:
-        steps = generate_step(session, prompt_tokens, sampler, reuse_prefix, prefilled, hook)
+        steps = generate_step(session, prompt_tokens, sampler, reuse_prefix, prefilled, hook,
+                              forced if thinking is not None and thinking.enforce else None)
         try:
             for tok in steps:
                 stats.decode_seconds += time.perf_counter() - clock[0]  # decoding the last token, sampling this
@@ -242,7 +333,11 @@ def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int 
                 if ids is not None:
                     ids.append(tok)
                 stats.n_generated_tokens = len(generated)
-                piece, stopped = text.add(model.token_bytes(tok))
+                data = model.token_bytes(tok)
+                if thinking is not None:
+                    thinking.on_token(data, was_forced[0])
+                    stats.n_reasoning_tokens, stats.reasoning_forced_close = thinking.n_tokens, thinking.forced_close
+                piece, stopped = text.add(data)
                 reason = "stop" if stopped else None
                 if reason is None and stopping_criteria is not None and stopping_criteria(ids.view(), raw[0]):
                     reason = "stop"

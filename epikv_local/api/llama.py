@@ -10,9 +10,10 @@ The names mean what they mean in llama-cpp-python; the differences are listed in
 one :class:`~epikv_local.engine.session.Session` holds one sequence whose live KV cells never exceed
 ``kv_budget``: every call keeps the longest common token prefix with what the cache holds (evictions and
 all) and decodes only the rest, so a multi-turn chat runs on one cache. Prompts are rendered by
-llama-cpp-python's own chat handlers (the GGUF's Jinja template, or a named ``chat_format``); reasoning
-(``<think>…</think>``) is split into ``reasoning_content`` (``reasoning_format="deepseek"``, llama-server's
-default).
+llama-cpp-python's own chat handlers (the GGUF's Jinja template, or a named ``chat_format``), which also build
+the grammars of ``response_format`` and ``tools`` and shape logprobs and tool calls (:mod:`.chat_call`);
+reasoning (``<think>…</think>``) is split into ``reasoning_content`` (``reasoning_format="deepseek"``,
+llama-server's default) and can be given a token budget (``reasoning_budget``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import contextlib
 import fnmatch
 import os
 import threading
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,22 +34,33 @@ from ..engine.session import Session
 from ..errors import ConfigError, ModelError
 from . import responses
 from .chat import flatten_text_parts
-from .generation import GenerationStats, stream_generate
-from .reasoning import FORMATS, ReasoningSplitter, prompt_opens_thinking, split_reasoning
-from .responses import ChunkStep
+from .chat_call import HandlerCall, chat_arguments, chat_steps, split_message
+from .completion import chained, check_budget, completion_chunks, fim_prompt
+from .generation import ReasoningBudget, stream_generate
+from .llama_extras import LlamaExtras
+from .logprobs import CompletionLogprobs
+from .lowlevel import grammar_text
+from .reasoning import CLOSE, FORMATS, prompt_opens_thinking
+from .responses import ChunkStep, extension  # noqa: F401  (extension: this module's name for it, kept)
 from .session_spec import resolve_session
+from .streams import Stream, primed
+
 #: sampling defaults for reasoning models (DeepSeek-R1 / Qwen3 model cards) when the caller sets none
 REASONING_TEMPERATURE, REASONING_TOP_P = 0.6, 0.95
 #: llama.cpp's "pick a random seed"
 LLAMA_DEFAULT_SEED = MAX_SEED
+#: llama-cpp-python's default ``last_n_tokens_size``: the tokens its penalties look back over
+LAST_N_TOKENS_SIZE = 64
 #: llama-cpp-python constructor arguments accepted for compatibility but without effect here
 IGNORED_ARGS = frozenset({
     "use_mmap", "use_mlock", "vocab_only", "kv_overrides", "main_gpu", "split_mode", "tensor_split",
-    "rope_scaling_type", "pooling_type", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor",
+    "rope_scaling_type", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor",
     "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_orig_ctx", "logits_all", "embedding",
-    "offload_kqv", "op_offload", "swa_full", "last_n_tokens_size", "lora_base", "lora_scale", "lora_path",
-    "numa", "draft_model", "tokenizer", "spm_infill", "no_perf", "n_ubatch", "n_threads_batch", "mul_mat_q",
+    "offload_kqv", "op_offload", "swa_full", "lora_base", "lora_scale", "lora_path",
+    "numa", "draft_model", "tokenizer", "no_perf", "n_ubatch", "n_threads_batch", "mul_mat_q",
     "defrag_thold", "f16_kv"})
+#: accepted without a warning: they have nothing to do here (``logits_all``: logprobs need no full logits)
+QUIET_ARGS = frozenset({"n_threads_batch", "logits_all"})
 #: chat roles accepted in messages
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -73,7 +84,7 @@ def check_messages(messages) -> None:
                               f"{type(content).__name__}")
 
 
-class Llama(Closing):
+class Llama(LlamaExtras, Closing):
     """A GGUF model with one budgeted KV cache, shaped like ``llama_cpp.Llama`` (see docs/api.md).
 
     kv_budget: live KV cells (tokens) kept; beyond it the policy evicts. Default: ``n_ctx`` when given,
@@ -85,6 +96,10 @@ class Llama(Closing):
         ignore it).
     flash_attn: on by default (attention-free eviction keeps it on; the attention-based policies need it off).
     reasoning_format: "deepseek" (split ``<think>`` into ``reasoning_content``) or "none".
+    reasoning_budget: tokens a call may generate inside an open ``<think>`` block before ``</think>`` is forced
+        (-1, the default: unlimited; 0: close it at once); a call's ``reasoning_budget=`` overrides it.
+    last_n_tokens_size: tokens the repeat / frequency / presence penalties look back over (llama-cpp-python's).
+    spm_infill: with ``suffix``, put the suffix before the prefix (llama-cpp-python's).
     rpc_servers: ``"host:port,host:port"`` of llama.cpp ``rpc-server`` processes to offload layers to (docs/rpc.md).
     max_prompt_tokens: refuse (ConfigError) a call whose prompt has more tokens, before any of it is decoded
         (None: no limit; a server sets one so that no request can hold the model for a day of prefill).
@@ -96,12 +111,14 @@ class Llama(Closing):
                  chat_handler=None, verbose: bool = False, kv_budget: int | None = None, kv_policy: str = "epikv",
                  kv_policy_settings: dict | None = None, n_sink: int = 4, n_recent: int | None = None,
                  recent_fraction: float | None = None, protect_prompt: bool = True, evict_chunk: int = 16,
-                 reasoning_format: str = "deepseek", capture_route: str = "layer_out",
-                 rpc_servers: str | list[str] | None = None, max_prompt_tokens: int | None = None, **kwargs: Any):
+                 reasoning_format: str = "deepseek", reasoning_budget: int = -1, capture_route: str = "layer_out",
+                 rpc_servers: str | list[str] | None = None, max_prompt_tokens: int | None = None,
+                 last_n_tokens_size: int = LAST_N_TOKENS_SIZE, spm_infill: bool = False,
+                 pooling_type: int | str | None = None, **kwargs: Any):
         unknown = sorted(set(kwargs) - IGNORED_ARGS)
         if unknown:
             raise TypeError(f"Llama() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
-        ignored = sorted(k for k in kwargs if k != "n_threads_batch")
+        ignored = sorted(k for k in kwargs if k not in QUIET_ARGS)
         if ignored:
             warnings.warn(f"epikv_local.Llama ignores {', '.join(ignored)} (see docs/api.md)", stacklevel=2)
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0):
@@ -118,13 +135,25 @@ class Llama(Closing):
         if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool) or not isinstance(
                 max_prompt_tokens, int) or max_prompt_tokens < 1):
             raise ConfigError(f"max_prompt_tokens must be an integer >= 1 or None, got {max_prompt_tokens!r}")
+        if isinstance(last_n_tokens_size, bool) or not isinstance(last_n_tokens_size, int) or last_n_tokens_size < -1:
+            raise ConfigError(f"last_n_tokens_size must be an integer >= -1 (-1: all), got {last_n_tokens_size!r}")
+        if pooling_type is not None:
+            from .embeddings import pooling_type as check_pooling
+
+            check_pooling(pooling_type)
+            self.embedding_pooling_type = pooling_type
         self.max_prompt_tokens = max_prompt_tokens
         self.model_path = str(model_path)
         self.verbose = verbose
         self.seed = seed
         self.reasoning_format = reasoning_format
+        self.reasoning_budget = check_budget(reasoning_budget)
+        self.last_n_tokens_size = last_n_tokens_size
+        self.spm_infill = bool(spm_infill)
         self._lock = threading.Lock()
-        self._generation = 0  # bumped by every call: an older stream still being read is cut off
+        self._generation = 0  # bumped by every call: an older stream still being read is superseded
+        self._active = None  # the stream a newer call supersedes (streams.Stream, or a generate() generator)
+        self._think_close: tuple[int, ...] | None = None  # the tokens of "</think>", tokenized on first use
         spec = resolve_session(
             model_path, kv_budget=kv_budget, kv_policy=kv_policy, kv_policy_settings=kv_policy_settings,
             n_sink=n_sink, n_recent=n_recent, recent_fraction=recent_fraction, protect_prompt=protect_prompt,
@@ -268,33 +297,88 @@ class Llama(Closing):
             self.session.load_state(path)
 
     def _close_active(self) -> None:
-        """End an older stream still being read (a new call supersedes it; its generation state is closed)."""
-        gen, self._active = getattr(self, "_active", None), None
-        if gen is not None:
-            try:
-                gen.close()
-            except ValueError:  # running in another thread right now: the session refuses the new call instead
-                pass
+        """Supersede the stream still being read, if any (a new call does so before it starts; the caller
+        holds ``_lock``): its generation is released now and its next read raises ConfigError. A stream
+        being read in another thread at this moment is left running (the session then refuses the new
+        call: one sequence, one generation at a time)."""
+        active, self._active = getattr(self, "_active", None), None
+        if active is None:
+            return
+        if isinstance(active, Stream):
+            if not active.supersede():
+                self._active = active
+            return
+        try:  # a plain generator (``generate``)
+            active.close()
+        except ValueError:  # running in another thread right now: the session refuses the new call instead
+            self._active = active
 
     # -- completions -------------------------------------------------------------------------------------------
     def _sampling(self, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, frequency_penalty,
-                  presence_penalty, seed, logit_bias) -> SamplingConfig:
+                  presence_penalty, seed, logit_bias, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
+                  mirostat_eta: float = 0.1, grammar=None) -> SamplingConfig:
+        """The sampler settings of a call (llama-cpp-python's chain and meanings; unset temperature / top_p:
+        the reasoning-model defaults; unset seed: the Llama's, a random one for LLAMA_DEFAULT_SEED)."""
         if seed is None:
             seed = self.seed
         if seed == LLAMA_DEFAULT_SEED:
             seed = int.from_bytes(os.urandom(4), "little") % LLAMA_DEFAULT_SEED
         bias = {int(k): float(v) for k, v in (logit_bias or {}).items()} if isinstance(logit_bias, dict) else logit_bias
+        text, root = grammar_text(grammar)
+        # penalize_prompt=False: llama-cpp-python's penalties see the tokens its chain sampled, not the prompt
         return SamplingConfig(
             temperature=REASONING_TEMPERATURE if temperature is None else temperature,
             top_p=REASONING_TOP_P if top_p is None else top_p, top_k=top_k, seed=seed, min_p=min_p,
             typical_p=typical_p, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty, logit_bias=bias or ())
+            presence_penalty=presence_penalty, penalty_last_n=getattr(self, "last_n_tokens_size", LAST_N_TOKENS_SIZE),
+            penalize_prompt=False, logit_bias=bias or (), mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta, grammar=text, grammar_root=root)
 
-    @staticmethod
-    def _refuse(**features) -> None:
-        for name, value in features.items():
-            if value:
-                raise ConfigError(f"{name} is not supported by epikv-local (see docs/api.md)")
+    def _reasoning(self, budget: int | None, starts_open: bool) -> ReasoningBudget:
+        budget = self.reasoning_budget if budget is None else check_budget(budget)
+        if budget >= 0 and self._think_close is None:
+            self._think_close = tuple(self._open_model.tokenize(CLOSE, add_special=False, parse_special=True))
+        return ReasoningBudget(budget, self._think_close or (), starts_open)
+
+    def _fim_tokens(self) -> tuple[int, int, int]:
+        """(prefix, suffix, middle) fill-in-the-middle token ids (llama_vocab_fim_pre/suf/mid); ConfigError
+        for a model without them."""
+        m = self._open_model
+        ll = m.nat.llama
+        with m.using():
+            ids = (int(ll.llama_vocab_fim_pre(m.vocab)), int(ll.llama_vocab_fim_suf(m.vocab)),
+                   int(ll.llama_vocab_fim_mid(m.vocab)))
+        if min(ids) < 0:
+            raise ConfigError(f"suffix (fill-in-the-middle) needs a model with FIM tokens; {Path(self.model_path).name} "
+                              "has none (llama_vocab_fim_pre/suf/mid)")
+        return ids
+
+    def _prompt_tokens(self, prompt, suffix) -> tuple[list[int], str | None]:
+        """(the prompt's token ids, its text when given as text). With ``suffix``: the fill-in-the-middle
+        prompt, as llama-cpp-python builds it: [BOS] <fim_pre> prompt <fim_suf> suffix <fim_mid> [EOS]
+        (suffix first with ``spm_infill``; BOS / EOS where the vocabulary adds them)."""
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, (list, tuple)):
+            text = None
+            self.detokenize(list(prompt))  # validates the ids
+        else:
+            raise ConfigError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if suffix is None:
+            if text is None:
+                return list(prompt), None
+            return (self.tokenize(text.encode("utf-8"), add_bos=True, special=True) if text else []), text
+        if not isinstance(suffix, str):
+            raise ConfigError(f"suffix must be a string, got {type(suffix).__name__}")
+        fim = self._fim_tokens()
+        prefix = self.tokenize(text.encode("utf-8"), add_bos=False, special=False) if text else list(prompt or [])
+        suffix_ids = self.tokenize(suffix.encode("utf-8"), add_bos=False, special=False) if suffix else []
+        m = self._open_model
+        with m.using():
+            add_bos, add_eos = m.nat.llama.llama_vocab_get_add_bos(m.vocab), m.nat.llama.llama_vocab_get_add_eos(m.vocab)
+        bos, eos = self.token_bos(), self.token_eos()
+        return fim_prompt(prefix, suffix_ids, fim, self.spm_infill, bos if add_bos and bos >= 0 else None,
+                          eos if add_eos and eos >= 0 else None), text
 
     def create_completion(self, prompt: str | list[int], suffix: str | None = None, max_tokens: int | None = None,
                           temperature: float | None = None, top_p: float | None = None, min_p: float = 0.05,
@@ -303,20 +387,22 @@ class Llama(Closing):
                           presence_penalty: float = 0.0, repeat_penalty: float = 1.0, top_k: int = 40,
                           stream: bool = False, seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
                           mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
-                          stopping_criteria=None, logits_processor=None, grammar=None, logit_bias=None):
+                          stopping_criteria=None, logits_processor=None, grammar=None, logit_bias=None,
+                          reasoning_budget: int | None = None):
         """Complete ``prompt`` (text or token ids). Returns a completion dict, or an iterator of chunks with
         ``stream=True``. Sampling defaults suit reasoning models (temperature 0.6, top-p 0.95) and
-        ``max_tokens=None`` lets the generation run to its end: the KV budget bounds memory, not length."""
+        ``max_tokens=None`` lets the generation run to its end: the KV budget bounds memory, not length.
+        The other arguments mean what they mean in llama-cpp-python (see :meth:`completion_steps`)."""
         steps = self.completion_steps(
             prompt, suffix=suffix, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
             typical_p=typical_p, logprobs=logprobs, echo=echo, stop=stop, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k, seed=seed, tfs_z=tfs_z,
             mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
             stopping_criteria=stopping_criteria, logits_processor=logits_processor, grammar=grammar,
-            logit_bias=logit_bias)
+            logit_bias=logit_bias, reasoning_budget=reasoning_budget)
         if stream:
             return (step.chunk for step in steps)
-        return self._completion_from(steps)
+        return responses.completion_from(steps, with_logprobs=logprobs is not None)
 
     __call__ = create_completion
 
@@ -328,74 +414,64 @@ class Llama(Closing):
                          seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
                          mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
                          stopping_criteria=None, logits_processor=None, grammar=None,
-                         logit_bias=None) -> Iterator[ChunkStep]:
+                         logit_bias=None, reasoning_budget: int | None = None) -> Iterator[ChunkStep]:
         """``create_completion(..., stream=True)`` with the statistics: an iterator of :class:`ChunkStep`
         (the stream chunk and the generation's statistics as of it). The prompt is decoded and the first
-        token sampled at the call, so bad input and a prompt that does not fit the budget raise here."""
-        self._refuse(suffix=suffix, logprobs=logprobs is not None, grammar=grammar is not None,
-                     logits_processor=logits_processor is not None, mirostat=mirostat_mode)
+        token sampled at the call, so bad input and a prompt that does not fit the budget raise here.
+
+        suffix: fill-in-the-middle (models with FIM tokens; others: ConfigError). logprobs: N >= 0 gives each
+        chunk (and the full response) ``{"tokens", "text_offset", "token_logprobs", "top_logprobs"}`` with the
+        N most likely alternatives per token (:mod:`.logprobs`; not with ``echo``). grammar: a
+        ``llama_cpp.LlamaGrammar`` or GBNF text. logits_processor(input_ids, scores) -> scores and
+        stopping_criteria(input_ids, logits) -> bool: callables or lists of them. reasoning_budget: tokens
+        allowed inside an open ``<think>`` block before ``</think>`` is forced (None: the Llama's; -1:
+        unlimited). ``tfs_z`` is accepted and unused, as in llama-cpp-python. A newer call on this Llama
+        supersedes the stream: it then raises ConfigError at its next item.
+        """
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
             raise ConfigError(f"max_tokens must be a positive integer or None (no limit), got {max_tokens!r}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise ConfigError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        if logprobs is not None:
+            if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0:
+                raise ConfigError(f"logprobs must be an integer >= 0 (alternatives per token) or None, got "
+                                  f"{logprobs!r}")
+            if echo:
+                raise ConfigError("logprobs with echo=True is not supported: the prompt tokens' logprobs need "
+                                  "every prompt row's logits, which the budgeted prefill does not keep")
         session = self.session
-        if isinstance(prompt, str):
-            prompt_text = prompt
-            tokens = self.tokenize(prompt.encode("utf-8"), add_bos=True, special=True) if prompt else []
-        elif isinstance(prompt, (list, tuple)):
-            tokens = list(prompt)
-            self.detokenize(tokens)  # validates the ids
-            prompt_text = None
-        else:
-            raise ConfigError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        tokens, prompt_text = self._prompt_tokens(prompt, suffix)
         if not tokens:
             raise ConfigError("the prompt is empty")
         if self.max_prompt_tokens is not None and len(tokens) > self.max_prompt_tokens:
             raise ConfigError(f"the prompt has {len(tokens)} tokens, over the limit of {self.max_prompt_tokens} "
                               "(max_prompt_tokens)")
         sampling = self._sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, frequency_penalty,
-                                  presence_penalty, seed, logit_bias)
+                                  presence_penalty, seed, logit_bias, mirostat_mode, mirostat_tau, mirostat_eta,
+                                  grammar)
+        opens = suffix is None and prompt_opens_thinking(
+            prompt_text if prompt_text is not None else self.detokenize(tokens, special=True).decode("utf-8", "replace"))
+        reasoning = self._reasoning(reasoning_budget, opens)
+        processor = chained(logits_processor, "logits_processor")
+        criteria = chained(stopping_criteria, "stopping_criteria")
         with self._lock:
             self._generation += 1
-            generation = self._generation
             self._close_active()
+        if getattr(self, "cache", None) is not None:  # llama-cpp-python's prompt cache (set_cache)
+            self._cache_lookup(tokens)
         items = stream_generate(session, tokens, max_tokens, sampling, tuple(stops), reuse_prefix=True,
-                                stopping_criteria=stopping_criteria)
-        echo_text = (prompt_text if prompt_text is not None else self.detokenize(tokens).decode("utf-8", "replace")
-                     ) if echo else ""
-        steps = _primed(self._completion_chunks(items, model or self.model_path, echo_text, generation))
+                                stopping_criteria=criteria, logits_processor=processor,
+                                want_logits=logprobs is not None, reasoning=reasoning)
+        echo_text = (prompt_text if prompt_text is not None
+                     else self.detokenize(list(prompt)).decode("utf-8", "replace")) if echo else ""
+        lp = CompletionLogprobs(self._model, logprobs, len(prompt)) if logprobs is not None else None
+        on_done = (lambda generated: self._cache_store(tokens + generated)) if getattr(self, "cache", None) \
+            is not None else None  # as llama-cpp-python: the cache keeps the state of prompt + completion
+        steps = Stream(primed(completion_chunks(items, model or self.model_path, echo_text, lp, on_done)))
         self._active = steps
         return steps
-
-    def _completion_chunks(self, items, model_name: str, echo_text: str, generation: int) -> Iterator[ChunkStep]:
-        """Stream chunks of one generation: a start chunk (with the echo) once the first token is sampled, one
-        chunk per text piece, and a final chunk with the finish reason and the statistics."""
-        cid, created = responses.new_id(), int(time.time())
-        first = True
-        for r in items:
-            if generation != self._generation:
-                raise ConfigError("this stream was superseded by a newer call on the same Llama")
-            if first:  # the prompt is in the cache and the first token sampled: the stream starts
-                yield ChunkStep(responses.completion_chunk(cid, created, model_name, echo_text), r.stats)
-                first = False
-            if r.text:
-                yield ChunkStep(responses.completion_chunk(cid, created, model_name, r.text), r.stats)
-            if r.finish_reason is not None:
-                reason = responses.finish_reason(r.finish_reason)
-                final = responses.completion_chunk(cid, created, model_name, "", reason, extension(r.stats))
-                yield ChunkStep(final, r.stats)
-
-    @staticmethod
-    def _completion_from(steps: Iterator[ChunkStep]) -> dict:
-        """A ``text_completion`` from the steps of one completion stream."""
-        text, last = [], None
-        for last in steps:
-            text.append(last.chunk["choices"][0]["text"])
-        chunk, st = last.chunk, last.stats
-        return responses.completion(chunk["id"], chunk["model"], "".join(text), chunk["choices"][0]["finish_reason"],
-                            responses.usage(st.n_prompt_tokens, st.n_generated_tokens), extension(st))
 
     # -- chat --------------------------------------------------------------------------------------------------------
     def create_chat_completion(self, messages: list[dict], functions=None, function_call=None, tools=None,
@@ -406,10 +482,14 @@ class Llama(Closing):
                                frequency_penalty: float = 0.0, repeat_penalty: float = 1.0, tfs_z: float = 1.0,
                                mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
                                model: str | None = None, logits_processor=None, grammar=None, logit_bias=None,
-                               logprobs: bool | None = None, top_logprobs: int | None = None):
+                               logprobs: bool | None = None, top_logprobs: int | None = None,
+                               reasoning_budget: int | None = None):
         """A chat turn in OpenAI's shape (``choices[0].message`` or streamed ``delta``s), rendered by the chat
         handler of this model; reasoning is split into ``reasoning_content``. The conversation's common prefix
-        with the previous call stays in the cache."""
+        with the previous call stays in the cache. ``response_format`` (json_object, json_schema) and
+        ``tools`` / ``functions`` become grammars in the handler; a named ``tool_choice`` returns
+        ``tool_calls``; ``logprobs=True`` (with ``top_logprobs``) gives chat logprobs. reasoning_budget: as in
+        :meth:`completion_steps`."""
         kwargs = dict(functions=functions, function_call=function_call, tools=tools, tool_choice=tool_choice,
                       temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
                       stop=stop, seed=seed, response_format=response_format, max_tokens=max_tokens,
@@ -417,16 +497,12 @@ class Llama(Closing):
                       repeat_penalty=repeat_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
                       mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
                       logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias, logprobs=logprobs,
-                      top_logprobs=top_logprobs)
+                      top_logprobs=top_logprobs, reasoning_budget=reasoning_budget)
         if stream:
             return (step.chunk for step in self.chat_completion_steps(messages, **kwargs))
         call, out = self._run_chat_handler(messages, stream=False, **kwargs)
-        msg = out["choices"][0]["message"]
         if self.reasoning_format == "deepseek":
-            reasoning, content = split_reasoning(msg.get("content") or "", call.opens_thinking)
-            msg["content"] = content
-            if reasoning:
-                msg["reasoning_content"] = reasoning
+            split_message(out, call.opens_thinking)
         out[responses.EXTENSION] = extension(call.stats)
         return out
 
@@ -434,107 +510,16 @@ class Llama(Closing):
         """``create_chat_completion(..., stream=True)`` with the statistics: an iterator of :class:`ChunkStep`
         (the chat stream chunk and the generation's statistics as of it); the same keyword arguments."""
         call, chunks = self._run_chat_handler(messages, stream=True, **kwargs)
-        return self._chat_chunks(chunks, call)
+        return chat_steps(chunks, call, split=self.reasoning_format == "deepseek")
 
-    def _run_chat_handler(self, messages, stream: bool, tools=None, functions=None, logprobs=None,
-                          response_format=None, **kwargs):
-        """Check the messages, render and start the turn through the chat handler: (the call's record, the
-        handler's response or chunk iterator)."""
+    def _run_chat_handler(self, messages, stream: bool, reasoning_budget: int | None = None, **kwargs):
+        """Check the messages and arguments, render and start the turn through the chat handler: (the call's
+        record, the handler's response or chunk iterator)."""
         check_messages(messages)
         # content given as text parts is joined (as llama-server does): chat templates expect strings
         messages = [flatten_text_parts(m) for m in messages]
-        if response_format is not None and not isinstance(response_format, dict):
-            raise ConfigError(f"response_format must be a dict like {{'type': 'text'}}, got {response_format!r}")
-        self._refuse(tools=tools or functions, logprobs=logprobs, response_format=response_format is not None
-                     and response_format.get("type") not in (None, "text"))
-        call = _HandlerCall(self)
-        out = self.chat_handler(llama=call, messages=messages, stream=stream, tools=tools, functions=functions,
-                                **{k: v for k, v in kwargs.items() if k != "top_logprobs"})
-        return call, out
-
-    def _chat_chunks(self, chunks: Iterator[dict], call: "_HandlerCall") -> Iterator[ChunkStep]:
-        splitter = ReasoningSplitter(call.opens_thinking) if self.reasoning_format == "deepseek" else None
-        try:
-            for chunk in chunks:
-                choice = chunk["choices"][0]
-                delta = choice.get("delta") or {}
-                if choice.get("finish_reason") is not None:
-                    if splitter is not None:
-                        reasoning, content = splitter.flush()
-                        yield from self._deltas(chunk, reasoning, content, call.stats)
-                    chunk[responses.EXTENSION] = extension(call.stats)
-                    yield ChunkStep(chunk, call.stats)
-                elif "content" in delta and splitter is not None:
-                    reasoning, content = splitter.feed(delta["content"] or "")
-                    yield from self._deltas(chunk, reasoning, content, call.stats)
-                else:
-                    yield ChunkStep(chunk, call.stats)
-        finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                close()
-
-    @staticmethod
-    def _deltas(template: dict, reasoning: str, content: str, stats: GenerationStats) -> Iterator[ChunkStep]:
-        if reasoning:
-            yield ChunkStep(responses.chat_delta_chunk(template, {"reasoning_content": reasoning}), stats)
-        if content:
-            yield ChunkStep(responses.chat_delta_chunk(template, {"content": content}), stats)
-
-
-class _HandlerCall:
-    """One chat call's view of the Llama, handed to llama-cpp-python's chat handler as its ``llama``.
-
-    The handler renders the prompt with the model's formatter and completes it through this object's
-    :meth:`create_completion`, which is where the rendered text is known: it is kept here, with the
-    statistics of each step of the completion, for this call only (nothing is stored on the Llama). Every
-    other attribute is the Llama's.
-    """
-
-    def __init__(self, llama: Llama):
-        self._llama = llama
-        self.opens_thinking = False  # the rendered prompt ends inside an open <think> block
-        self.stats: GenerationStats | None = None  # as of the last step the handler read
-
-    def __getattr__(self, name: str):
-        return getattr(self._llama, name)
-
-    def create_completion(self, prompt, stream: bool = False, **kwargs):
-        text = prompt if isinstance(prompt, str) else self._llama.detokenize(list(prompt), special=True).decode(
-            "utf-8", "replace")
-        self.opens_thinking = prompt_opens_thinking(text)
-        steps = self._recorded(self._llama.completion_steps(prompt, **kwargs))
-        return steps if stream else Llama._completion_from(ChunkStep(c, self.stats) for c in steps)
-
-    def _recorded(self, steps: Iterator[ChunkStep]) -> Iterator[dict]:
-        try:
-            for step in steps:
-                self.stats = step.stats
-                yield step.chunk
-        finally:
-            steps.close()
-
-
-def extension(st: GenerationStats) -> dict:
-    """The ``"epikv"`` statistics of a call's final response or chunk, from its statistics."""
-    return {"policy": st.policy, "kv_budget": st.kv_budget, "live_cells": st.n_live_cells,
-            "max_live_cells": st.max_live_cells, "n_evicted": st.n_evicted_call, "n_evicted_total": st.n_evicted,
-            "kv_bytes": st.kv_bytes, "n_ctx": st.n_ctx, "flash_attn": st.flash_attn,
-            "prompt_tokens_reused": st.n_prompt_reused, "prompt_tokens_decoded": st.n_prompt_decoded,
-            "decode_tokens_per_s": round(st.decode_tokens_per_s, 3)}
-
-
-def _primed(it: Iterator) -> Iterator:
-    """Run an iterator to its first item now, so that bad input and a prompt that does not fit the budget
-    raise at the call, not at the first ``next()``; the item is replayed. Closing the result closes ``it``."""
-    sentinel = object()
-    first = next(it, sentinel)
-
-    def replay():
-        try:
-            if first is not sentinel:
-                yield first
-            yield from it
-        finally:
-            it.close()
-    return replay()
+        kwargs = chat_arguments(kwargs)
+        if reasoning_budget is not None:
+            check_budget(reasoning_budget)
+        call = HandlerCall(self, reasoning_budget)
+        return call, self.chat_handler(llama=call, messages=messages, stream=stream, **kwargs)

@@ -25,8 +25,13 @@ Keys:
 
 Errors of the library during a turn (:class:`~epikv_local.errors.EpikvError`, e.g. a first message that
 cannot fit the budget) print one ``epikv-local: error: ...`` line, the turn is dropped from the history and
-the chat goes on. Errors at start-up (bad flags, bad model) propagate: the CLI's ``run_main`` prints one
-line and exits 2.
+the chat goes on. So does input that is not UTF-8 (undecodable bytes on stdin, a lone surrogate): one
+``epikv-local: error: input is not UTF-8 ...`` line, and the message is not sent. Errors at start-up (bad flags,
+bad model, a grammar that does not parse) propagate: the CLI's ``run_main`` prints one line and exits 2.
+Output that cannot be written (a closed pipe, a full disk) ends the chat through ``run_main`` too.
+
+Sampling: the options of ``generate`` (:func:`.options.add_sampling_args`), translated once by
+:func:`.options.llama_sampling_kwargs` into the keywords of every turn's call.
 
 This module is imported when the CLI's parser is built: the heavy imports (the ``Llama``) happen in
 :func:`run`.
@@ -214,14 +219,17 @@ def _mib(n: int) -> str:
 class Chat:
     """The conversation: one ``Llama``, the message history, and the commands."""
 
-    def __init__(self, llm, args: argparse.Namespace, out: TextIO, err: TextIO, color: bool):
+    def __init__(self, llm, args: argparse.Namespace, out: TextIO, err: TextIO, color: bool,
+                 sampling: dict | None = None):
+        """sampling: the keyword arguments of every turn's call (default: :func:`.options.llama_sampling_kwargs`
+        of ``args``: the sampling options, ``max_tokens`` and ``stop``)."""
+        from .options import llama_sampling_kwargs
+
         self.llm, self.args, self.out, self.err, self.color = llm, args, out, err, color
         self.history: list[dict] = []
         self.last = None  # GenerationStats of the last turn (None after /reset)
         self.evicted_before = 0  # evictions of caches cleared earlier (the session's count restarts at reset)
-        self.sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                         "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "max_tokens": args.max_tokens,
-                         "stop": list(args.stop) or None}
+        self.sampling = llama_sampling_kwargs(args) if sampling is None else sampling
 
     def note(self, text: str) -> None:
         self.err.write(f"{text}\n")
@@ -324,15 +332,43 @@ def read_message(prompt: str = PROMPT) -> str:
         return "\n".join(lines)
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    from ..engine.sampling import SamplingConfig
+def check_input(text: str) -> None:
+    """ConfigError unless ``text`` is valid Unicode text: undecodable input bytes (read with surrogateescape)
+    and lone surrogates cannot be tokenized, and the message is refused before it reaches the model."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("input is not UTF-8 (the message was not sent)") from None
+
+
+def _tolerant_stdin() -> None:
+    """Read undecodable bytes from stdin as lone surrogates (``surrogateescape``) instead of failing inside
+    ``input()``: :func:`check_input` then refuses the one message, and the conversation goes on."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(errors="surrogateescape")
+        except (ValueError, OSError):  # a closed or non-text stdin: input() reports it
+            pass
+
+
+def _check_args(args: argparse.Namespace) -> dict:
+    """Every option checked before the model loads; returns the sampling keywords of every turn."""
+    from .options import llama_sampling_kwargs
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if any(not s for s in args.stop):
         raise ConfigError("--stop takes a non-empty string")
-    SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                   min_p=args.min_p, repeat_penalty=args.repeat_penalty)  # bad values fail now, not every turn
+    return llama_sampling_kwargs(args)  # bad values fail now, not every turn
+
+
+def _check_grammar(llm, args: argparse.Namespace) -> None:
+    """A grammar that does not parse (or lacks its root rule) is refused at start-up, on this model's vocabulary,
+    rather than at every turn."""
+    from .options import check_grammar, sampling_config
+
+    check_grammar(llm.session.model, sampling_config(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -341,16 +377,18 @@ def run(args: argparse.Namespace) -> int:
     from .llama import Llama
     from .options import llama_kwargs
 
-    _check_args(args)
+    sampling = _check_args(args)
     model_path = check_gguf(args.model)
     try:
         import readline  # noqa: F401  (input() gets line editing and history)
     except ImportError:
         pass
+    _tolerant_stdin()
     out, err = sys.stdout, sys.stderr
     llm = Llama(**{**llama_kwargs(args), "model_path": str(model_path)}, seed=args.seed)
     with llm:
-        chat = Chat(llm, args, out, err, use_color(out))
+        _check_grammar(llm, args)
+        chat = Chat(llm, args, out, err, use_color(out), sampling)
         calib = f", calibration {llm.calibration.path}" if llm.calibration is not None else ""
         chat.note(f"{PROG} chat: {model_path.name}, KV budget {args.kv_budget} cells, policy {args.policy}{calib}")
         chat.note("/help lists the commands; Ctrl-C stops an answer; Ctrl-D or /exit quits.")
@@ -362,7 +400,15 @@ def run(args: argparse.Namespace) -> int:
                     out.write("\n")
                     out.flush()
                     return 0
+                except UnicodeDecodeError:  # a stdin that could not be made tolerant (_tolerant_stdin)
+                    chat.error(ConfigError("input is not UTF-8 (the message was not sent)"))
+                    continue
                 if not text:
+                    continue
+                try:
+                    check_input(text)
+                except ConfigError as e:
+                    chat.error(e)
                     continue
                 if text.startswith("/") and not text.startswith("//"):
                     if not chat.command(text):

@@ -419,11 +419,14 @@ class Context(_Owned):
     installed as ``cb_eval``; it must outlive the context.
     n_seq_max: sequences the context holds; with more than one the KV cache is unified (cells shared across
     sequences, so ``seq_copy`` is cheap: used to branch a prefix, e.g. for counterfactual labels).
+    embeddings: the context outputs embeddings (read with :meth:`embeddings_seq` / :meth:`embeddings_ith`);
+    pooling_type: llama.h's ``enum llama_pooling_type`` (None: unspecified, i.e. the model's own).
     """
 
     def __init__(self, model: Model, n_ctx: int, n_batch: int = 64, flash_attn: bool = True,
                  n_threads: int | None = None, cb_eval=None, cb_eval_user_data: int = 0,
-                 type_k: str = "f16", type_v: str = "f16", n_seq_max: int = 1):
+                 type_k: str = "f16", type_v: str = "f16", n_seq_max: int = 1, embeddings: bool = False,
+                 pooling_type: int | None = None):
         if not 1 <= n_ctx <= MAX_CELLS:
             raise ConfigError(f"n_ctx must be in 1..{MAX_CELLS}, got {n_ctx}")
         if not 1 <= n_batch <= MAX_CELLS:
@@ -445,6 +448,10 @@ class Context(_Owned):
         self.n_threads = threads
         p.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.no_perf = True
+        p.embeddings = bool(embeddings)
+        if pooling_type is not None:
+            p.pooling_type = int(pooling_type)
+        self.embeddings = bool(embeddings)
         type_k, type_v = kv_type(type_k, "type_k"), kv_type(type_v, "type_v")
         p.type_k = KV_TYPES[type_k][0]
         p.type_v = KV_TYPES[type_v][0]
@@ -554,6 +561,40 @@ class Context(_Owned):
         if not ptr:
             raise self.nat.error(f"no logits for output {i}")
         return np.ctypeslib.as_array(ptr, shape=(self.model.info.n_vocab,))
+
+    # -- embeddings (a context created with embeddings=True) ---------------------------------------------
+    @native_call
+    def pooling_type(self) -> int:
+        """The pooling type in effect (llama.h's ``enum llama_pooling_type``: the requested one, or the model's)."""
+        return int(self.nat.llama.llama_pooling_type(self.handle))
+
+    def _embedding_width(self) -> int:
+        ll = self.nat.llama
+        if self.pooling_type() == 4:  # LLAMA_POOLING_TYPE_RANK: the classifier's outputs, not n_embd
+            return int(ll.llama_model_n_cls_out(self.model.handle))
+        return self.model.info.n_embd
+
+    @native_call
+    def embeddings_seq(self, seq_id: int = 0) -> np.ndarray:
+        """The pooled embedding of ``seq_id`` after the last decode: (n_embd,) float32 (a copy), or (n_cls_out,)
+        with RANK pooling. NativeError when there is none (pooling NONE, or not an embeddings context)."""
+        if not self.embeddings:
+            raise ConfigError("this context was not created with embeddings=True")
+        ptr = self.nat.llama.llama_get_embeddings_seq(self.handle, seq_id)
+        if not ptr:
+            raise self.nat.error(f"no pooled embedding for sequence {seq_id} (pooling type {self.pooling_type()})")
+        return np.ctypeslib.as_array(ptr, shape=(self._embedding_width(),)).copy()
+
+    @native_call
+    def embeddings_ith(self, i: int) -> np.ndarray:
+        """The embedding of output row ``i`` of the last decode (negative: from the end): (n_embd,) float32 (a
+        copy). NativeError when the row has none."""
+        if not self.embeddings:
+            raise ConfigError("this context was not created with embeddings=True")
+        ptr = self.nat.llama.llama_get_embeddings_ith(self.handle, i)
+        if not ptr:
+            raise self.nat.error(f"no embedding for output {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.info.n_embd,)).copy()
 
     # -- memory -----------------------------------------------------------------------------------------
     @native_call

@@ -162,6 +162,14 @@ class Sampler(Closing):
             for t in tokens:
                 self.ll.llama_sampler_accept(self._penalties, int(t))
 
+    def accept_generated(self, tokens) -> None:
+        """Tokens put into the generation without sampling (a forced ``</think>``): the penalties see them as
+        if sampled. The grammar does not (it would reject text outside it: callers do not force under one)."""
+        penalties = self._penalties
+        if penalties is not None:
+            for t in tokens:
+                self.ll.llama_sampler_accept(penalties, int(t))
+
     def sample(self, ctx_handle) -> int:
         """The next token from the last output row of the context's last decode (accepted by the chain)."""
         if self.chain is None:

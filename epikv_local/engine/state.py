@@ -314,6 +314,8 @@ class _Decoder:
         if tag is None or set(enc) != {tag} | rest:
             raise _Refused(where, f"is not an encoded value (keys {sorted(map(str, enc))})")
         body = enc[tag]
+        if tag in ("$float", "$rng", "$function", "$frozen", "$object") and type(body) is not str:
+            raise _Refused(where, f"is not an encoded value ({tag} {_short(body)})")
         if tag == "$float":
             if body not in ("nan", "inf", "-inf"):
                 raise _Refused(where, f"is not a float ({body!r})")
@@ -429,11 +431,10 @@ def save(session, path: str | os.PathLike) -> Path:
     settings = {k: enc.encode(getattr(policy, k), f"policy.{k}") for k in _settings(policy)}
     running = enc.encode(policy, "policy")
     capture = enc.encode(session.capture.state(), "capture")
-    arrays = [np.ascontiguousarray(a) if not (a.flags.f_contiguous and not a.flags.c_contiguous) else a
-              for a in enc.arrays]
-    table = [{"dtype": a.dtype.str, "shape": list(a.shape), "order": "F" if not a.flags.c_contiguous else "C"}
-             for a in arrays]
-    blob = b"".join(a.tobytes(order="F" if t["order"] == "F" else "C") for a, t in zip(arrays, table))
+    # an F-ordered array keeps its order (as pickle did): numpy's reductions may sum in memory order
+    table = [{"dtype": a.dtype.str, "shape": list(a.shape),
+              "order": "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"} for a in enc.arrays]
+    blob = b"".join(a.tobytes(order=t["order"]) for a, t in zip(enc.arrays, table))
     kv = session.ctx.seq_state()
     # lay the live cells out as a restore does (position order): flash attention accumulates over the cells
     # in their physical order (in f16 on the CPU), so only the same layout continues with identical logits
@@ -480,7 +481,9 @@ def read(path: str | os.PathLike) -> tuple[dict, dict[str, bytes]]:
         hint = " (written by an older epikv-local, which pickled the running state: save it again with this one)" \
             if type(version) is int and version < VERSION else ""
         raise DataError(f"{path} has session state format {version!r}, this version reads only {VERSION}{hint}")
-    blobs = header.get("blobs")
+    if "blobs" not in header:
+        raise DataError(f"{path} is refused: header lacks 'blobs'")
+    blobs = header["blobs"]
     sizes = [blobs.get(k) for k in ("arrays", "kv")] if type(blobs) is dict and set(blobs) == {"arrays", "kv"} \
         else None
     if sizes is None or any(type(s) is not int or s < 0 for s in sizes):
@@ -526,12 +529,12 @@ def _arrays(table, blob: bytes) -> list[np.ndarray]:
     for i, t in enumerate(table):
         where = f"arrays[{i}]"
         _keys(t, where, ("dtype", "shape", "order"))
-        if t["dtype"] not in DTYPES:
+        if type(t["dtype"]) is not str or t["dtype"] not in DTYPES:
             raise _Refused(f"{where}.dtype", f"{_short(t['dtype'])} is not an allowed numeric dtype")
         shape = t["shape"]
         if type(shape) is not list or len(shape) > MAX_NDIM or any(type(d) is not int or d < 0 for d in shape):
             raise _Refused(f"{where}.shape", f"must be at most {MAX_NDIM} sizes >= 0, got {_short(shape)}")
-        if t["order"] not in ("C", "F"):
+        if type(t["order"]) is not str or t["order"] not in ("C", "F"):
             raise _Refused(f"{where}.order", "must be 'C' or 'F'")
         dt = np.dtype(t["dtype"])
         nbytes = math.prod(shape) * dt.itemsize
@@ -602,7 +605,7 @@ def _check_kv_cells(kv: bytes, own: bytes, live: list[int]) -> None:
         if np.array_equal(np.sort(cells[:, 0].astype(np.int64)), want) and np.all(cells[:, 1] == 1) \
                 and np.all(cells[:, -1] == 0):
             return
-    raise _Refused("kv", "its cell table does not hold exactly the live positions of the header")
+    raise _Refused("kv", "cell table does not hold exactly the live positions of the header")
 
 
 def _fresh_policy(session):
@@ -668,7 +671,8 @@ def _check_capture(enc, session, decoder: _Decoder):
                                   "layer) for this session")
     for i, r in enumerate(got):
         if r is not None and (type(r) is not np.ndarray or r.dtype != np.float32 or r.shape != (n_embd,)):
-            raise _Refused(f"capture[{i}]", f"must be null or a float32 row of {n_embd}, got {_short(r)}")
+            got_kind = f"{_kind(r)} {r.shape}" if type(r) is np.ndarray else _short(r)
+            raise _Refused(f"capture[{i}]", f"must be null or a float32 row of {n_embd}, got a {got_kind}")
     return got
 
 
@@ -685,8 +689,9 @@ def _validate(session, header: dict, blobs: dict[str, bytes], own_kv: bytes):
     n_vocab = session.model.info.n_vocab
     if type(tokens) is not list or len(tokens) != n_past:
         raise _Refused("tokens", f"must be a list of n_past = {n_past} tokens")
-    if not all(type(t) is int and 0 <= t < n_vocab for t in tokens):
-        raise _Refused("tokens", f"must be token ids in 0..{n_vocab - 1}")
+    bad = next((i for i, t in enumerate(tokens) if type(t) is not int or not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise _Refused(f"tokens[{bad}]", f"= {_short(tokens[bad])} is not a token id in 0..{n_vocab - 1}")
     snap = _check_engine(header["engine"], session, n_past)
     _check_kv_cells(blobs["kv"], own_kv, snap["live"])
     decoder = _Decoder(_arrays(header["arrays"], blobs["arrays"]))

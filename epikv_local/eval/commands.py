@@ -3,42 +3,100 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+from pathlib import Path
+
+from ..errors import ConfigError
 
 
 def add_commands(sub) -> dict:
     """Add ``labels`` and ``calibrate`` to ``sub``; returns {command name: runner(args) -> exit status}."""
     lp = sub.add_parser("labels", help="counterfactual importance labels of trace positions (JSONL)")
-    lp.add_argument("--model", help="GGUF model (default: the cached default model)")
+    lp.add_argument("-m", "--model", help="GGUF model (default: the cached default model)")
     lp.add_argument("--traces", required=True, help="JSONL traces with 'problem' and 'trace' fields")
-    lp.add_argument("--n-traces", type=int, default=4)
-    lp.add_argument("--max-tokens", type=int, default=768, help="tokens per trace (truncated; default 768)")
-    lp.add_argument("--horizon", type=int, default=32, help="tokens decoded after each checkpoint (default 32)")
-    lp.add_argument("--delay", type=int, default=2,
-                    help="minimum tokens between a position and its checkpoint (>= 2; default 2)")
-    lp.add_argument("--stride", type=int, default=16, help="checkpoint spacing = positions per checkpoint (16)")
-    lp.add_argument("--min-pos", type=int, default=16, help="first labelled position (default 16)")
+    lp.add_argument("--n-traces", type=int, default=4, metavar="N", help="traces labelled")
+    lp.add_argument("--max-tokens", type=int, default=768, metavar="N", help="tokens per trace (truncated)")
+    lp.add_argument("--horizon", type=int, default=32, metavar="N", help="tokens decoded after each checkpoint")
+    lp.add_argument("--delay", type=int, default=2, metavar="N",
+                    help="minimum tokens between a position and its checkpoint (>= 2)")
+    lp.add_argument("--stride", type=int, default=16, metavar="N",
+                    help="checkpoint spacing = positions per checkpoint")
+    lp.add_argument("--min-pos", type=int, default=16, metavar="N", help="first labelled position")
     lp.add_argument("--control", action="store_true", help="also re-decode the no-removal branch (control rows)")
-    lp.add_argument("--batch", type=int, default=1, help="counterfactual branches decoded together in one batch "
-                    "(default 1)")
-    lp.add_argument("--out", default="results/labels.jsonl", help="output JSONL (resumed if it exists)")
-    lp.add_argument("--threads", type=int, default=None)
+    lp.add_argument("--batch", type=int, default=1, metavar="N",
+                    help="counterfactual branches decoded together in one batch")
+    lp.add_argument("--out", default="results/labels.jsonl", metavar="PATH", help="output JSONL (resumed if it exists)")
+    lp.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                    help="llama.cpp threads (default: CPUs available - 1, at most 8)")
     cp = sub.add_parser("calibrate", help="choose EPIKV layers/window/recent share, then the policy among the "
                                           "signals ('--policy calibrated'), for a model on dev traces")
-    cp.add_argument("--model", help="GGUF model (default: the cached default model)")
+    cp.add_argument("-m", "--model", help="GGUF model (default: the cached default model)")
     cp.add_argument("--traces", help="dev JSONL traces (default: ../shared/data/r1_traces_dev.jsonl beside a source checkout, "
                          "else the dev traces shipped with the package)")
     cp.add_argument("--quick", action="store_true", help="tiny grid on one short trace (smoke test)")
     cp.add_argument("--fast", action="store_true", help="the affordable profile for larger models: cheaper labels, "
                     "smaller grid (about 15 minutes for a 0.5B model on 2 cores; docs/calibration.md)")
     cp.add_argument("--full-grid", action="store_true", help="search the Cartesian grid, not coordinate-wise")
-    cp.add_argument("--n-traces", type=int, default=None, help="dev traces for the fidelity grid (default 3)")
-    cp.add_argument("--labels", help="labels JSONL to reuse (or to write, resumable) for the anatomy ranking")
-    cp.add_argument("--out", help="write the calibration JSON here instead of the cache")
+    cp.add_argument("--n-traces", type=int, default=None, metavar="N",
+                    help="dev traces for the fidelity grid (default: 3)")
+    cp.add_argument("--labels", metavar="PATH",
+                    help="labels JSONL to reuse (or to write, resumable) for the anatomy ranking")
+    cp.add_argument("--out", metavar="PATH", help="write the calibration JSON here instead of the cache")
     cp.add_argument("--no-signals", action="store_true", help="skip step 3 (query statistics and the choice "
                     "among the signals): EPIKV's settings only")
-    cp.add_argument("--threads", type=int, default=None)
+    cp.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                    help="llama.cpp threads (default: CPUs available - 1, at most 8)")
     return {"labels": run_labels_cmd, "calibrate": run_calibrate_cmd}
+
+
+def _ancestors(path: Path) -> list[Path]:
+    p = Path(os.path.abspath(path))
+    return [p, *p.parents]
+
+
+def check_output_path(path: str | os.PathLike, what: str) -> None:
+    """ConfigError ``cannot write <path>: <reason>`` unless ``path`` can be written as a file (its missing
+    folders created), found before any work is done: not a folder itself, and its nearest existing folder takes
+    a new entry (tried with a temporary file, removed at once: permissions alone say nothing to root)."""
+    import tempfile
+
+    p = Path(path)
+    if str(path) == "" or p.name in ("", ".", ".."):
+        raise ConfigError(f"cannot write the {what} file {str(path)!r}: not a file path")
+    if p.is_dir():
+        raise ConfigError(f"cannot write the {what} file {p}: it is a directory")
+    chain = _ancestors(p)
+    i = next(i for i in range(1, len(chain)) if chain[i].exists())  # "/" exists
+    folder = chain[i]
+    if not folder.is_dir():
+        raise ConfigError(f"cannot write the {what} file {p}: {folder} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".epikv-probe-", dir=folder)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        if i > 1:  # a folder to create first
+            reason = f"cannot create {chain[i - 1]}: {reason}"
+        raise ConfigError(f"cannot write the {what} file {p}: {reason}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+@contextlib.contextmanager
+def output_errors(path: str | os.PathLike | None, what: str):
+    """An OSError about ``path``, one of its folders or a file beside it (a temporary one) becomes ConfigError
+    ``cannot write the <what> file <path>: <reason>``; every other OSError propagates."""
+    try:
+        yield
+    except OSError as e:
+        if path is None:
+            raise
+        names = [Path(os.path.abspath(f)) for f in (e.filename, e.filename2) if isinstance(f, (str, os.PathLike))]
+        target = _ancestors(Path(path))
+        if not any(n in target or n.parent == target[1] for n in names):
+            raise
+        raise ConfigError(f"cannot write the {what} file {path}: {e.strerror or e}") from None
 
 
 def _model_path(arg: str | None):
@@ -52,10 +110,11 @@ def run_labels_cmd(args: argparse.Namespace) -> int:
     from ..engine.handles import Model
     from .labels import LabelSettings, run_labels
 
+    check_output_path(args.out, "labels")
     model_path = _model_path(args.model)
     s = LabelSettings(max_tokens=args.max_tokens, horizon=args.horizon, delay=args.delay, stride=args.stride,
                       min_pos=args.min_pos, batch=args.batch)
-    with Model(model_path) as model:
+    with Model(model_path) as model, output_errors(args.out, "labels"):
         stats = run_labels(model, model_path, args.traces, args.out, s, n_traces=args.n_traces,
                            n_threads=args.threads, control=args.control)
     print(json.dumps({"out": args.out, **stats}))
@@ -65,10 +124,12 @@ def run_labels_cmd(args: argparse.Namespace) -> int:
 def run_calibrate_cmd(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from ..errors import ConfigError
     from .calibrate import FAST_GRID, QUICK_GRID, Grid, calibrate
     from .traces import default_dev_traces
 
+    for path, what in ((args.out, "calibration"), (args.labels, "labels")):
+        if path is not None and not (what == "labels" and Path(path).is_file()):  # labels to reuse are read
+            check_output_path(path, what)
     model_path = _model_path(args.model)
     traces = args.traces or str(default_dev_traces())
     if args.quick and args.fast:
@@ -76,8 +137,9 @@ def run_calibrate_cmd(args: argparse.Namespace) -> int:
     grid = QUICK_GRID if args.quick else FAST_GRID if args.fast else Grid()
     if args.n_traces:
         grid = replace(grid, n_traces=args.n_traces)
-    res = calibrate(model_path, traces, grid, full_grid=args.full_grid, n_threads=args.threads,
-                    labels_path=args.labels, out=args.out, signals=not args.no_signals)
+    with output_errors(args.out, "calibration"), output_errors(args.labels, "labels"):
+        res = calibrate(model_path, traces, grid, full_grid=args.full_grid, n_threads=args.threads,
+                        labels_path=args.labels, out=args.out, signals=not args.no_signals)
     print(json.dumps({"path": res.path, "layer_a": res.layer_a, "layer_b": res.layer_b, "window": res.window,
                       "recent_fraction": res.recent_fraction, "delta_nll": res.delta_nll,
                       "baseline_delta_nll": res.baseline_delta_nll,

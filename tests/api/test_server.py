@@ -5,6 +5,7 @@ deadlines only so that a broken server fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -67,13 +68,16 @@ class Server:
         return self.log.read()
 
     def stop(self) -> int:
+        """SIGTERM, then wait (60 s, then kill); ``stop_seconds``: how long the server took to exit."""
         if self.proc.poll() is None:
+            t0 = time.monotonic()
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            self.stop_seconds = time.monotonic() - t0
         return self.proc.returncode
 
     def client(self, key: str = "x", **kw):
@@ -83,6 +87,17 @@ class Server:
         status, body = http("GET", self.base + "/health")
         assert status == 200 and body["status"] == "ok", (status, body)
         return body
+
+
+@contextlib.contextmanager
+def serving(model_path: Path, *extra: str):
+    """A :class:`Server` with ``extra`` arguments, stopped (and its log closed) on every path."""
+    s = Server(model_path, *extra)
+    try:
+        yield s
+    finally:
+        s.stop()
+        s.log.close()
 
 
 def http(method: str, url: str, body=None, headers: dict | None = None, timeout: float = 120):
@@ -95,6 +110,15 @@ def http(method: str, url: str, body=None, headers: dict | None = None, timeout:
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"null")
+
+
+def sse_data(url: str, body: dict, headers: dict | None = None, timeout: float = 120) -> list[str]:
+    """The ``data:`` payloads of one streamed POST, in order (``[DONE]`` included)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.headers["content-type"].startswith("text/event-stream"), r.headers
+        return [line[len(b"data: "):].decode().strip() for line in r if line.startswith(b"data: ")]
 
 
 def assert_openai_error(status: int, body, expected_status: int | None = None) -> dict:
@@ -122,23 +146,15 @@ def reasoning_of(obj):
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    s = Server(model_path)
-    try:
+    with serving(model_path) as s:
         yield s
-    finally:
-        s.stop()
-        s.log.close()
 
 
 @pytest.fixture(scope="module")
 def guarded(model_path):
     """A second server: --max-queue 1 and an API key."""
-    s = Server(model_path, "--max-queue", "1", "--api-key", KEY, "--model-alias", "smol")
-    try:
+    with serving(model_path, "--max-queue", "1", "--api-key", KEY, "--model-alias", "smol") as s:
         yield s
-    finally:
-        s.stop()
-        s.log.close()
 
 
 def chat(client, model: str, messages=CHAT, max_tokens: int = 24, **kw):
@@ -243,7 +259,7 @@ def test_client_disconnecting_mid_stream_frees_the_model(server, model_path):
     assert after["busy"] is False and after["served"] == before["served"] + 2
     assert after["cancelled"] == before["cancelled"] + 1
     cut_off = after["tokens_generated"] - before["tokens_generated"] - r.usage.completion_tokens
-    assert 2 <= cut_off < 1000, cut_off  # stopped soon after the client left, far from its 2000 tokens
+    assert 1 <= cut_off < 1000, cut_off  # stopped soon after the client left, far from its 2000 tokens
 
 
 @pytest.mark.parametrize("path,body,status", [
@@ -253,26 +269,23 @@ def test_client_disconnecting_mid_stream_frees_the_model(server, model_path):
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -1}, 400),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": "many"}, 400),
-    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4o"}, 404),
     ("/v1/chat/completions", b"{not json", 400),
     ("/v1/chat/completions", b"[1, 2]", 400),
     ("/v1/chat/completions", b"", 400),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400),  # EpikvError: not supported
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": -1}, 400),  # EpikvError: the Llama's check
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1, "echo": True}, 400),  # EpikvError: not supported
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400),
     ("/v1/completions", {"prompt": ""}, 400),
-    ("/v1/completions", {"prompt": "hi", "model": "nope"}, 404),
     ("/v1/nothing-here", {"prompt": "hi"}, 404),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_stays_healthy(server, path, body, status):
     got, payload = http("POST", server.base + path, body)
-    err = assert_openai_error(got, payload, status)
-    if status == 404 and "model" in (body if isinstance(body, dict) else {}):
-        assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert_openai_error(got, payload, status)
     server.health()
 
 
 def test_budget_error_is_a_400_with_its_message(server, model_path):
-    long_prompt = " ".join(f"word{i}" for i in range(400))  # more prompt than a 128-cell budget can protect
+    long_prompt = " ".join(f"word{i}" for i in range(60))  # more prompt than a 128-cell budget can protect
     got, payload = http("POST", server.base + "/v1/completions", {"prompt": long_prompt, "max_tokens": 4})
     err = assert_openai_error(got, payload, 400)
     assert err["code"] == "BudgetError" and "budget" in err["message"].lower()
@@ -282,8 +295,6 @@ def test_budget_error_is_a_400_with_its_message(server, model_path):
 
 def test_openai_client_sees_errors_as_exceptions(server, model_path):
     client = server.client()
-    with pytest.raises(openai.NotFoundError):
-        chat(client, "no-such-model")
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model_path.name, messages=[], max_tokens=4)
     server.health()
@@ -348,3 +359,82 @@ def test_full_queue_answers_503(guarded):
 def test_sigterm_shuts_down_cleanly(guarded):
     assert guarded.stop() == 0, guarded.stderr()
     assert "Traceback" not in guarded.stderr()
+
+
+# -- conformance (issue "drop-in", item 4) ----------------------------------------------------------------------
+def test_itemA_any_model_name_is_served_under_the_alias(server, model_path):
+    client = server.client()
+    r = chat(client, "gpt-4o", max_tokens=4)
+    assert r.model == model_path.name and r.choices[0].message.content
+    c = client.completions.create(model="no-such-model", prompt="Hello", max_tokens=3, temperature=0)
+    assert c.model == model_path.name
+    chunks = list(chat(client, "whatever", max_tokens=3, stream=True))
+    assert {ch.model for ch in chunks} == {model_path.name}
+
+
+def test_itemA_max_completion_tokens_is_honoured_and_wins_over_max_tokens(server, model_path):
+    client = server.client()
+    kw = dict(model="m", messages=CHAT, temperature=0, logit_bias=NO_EOG)
+    r = client.chat.completions.create(max_completion_tokens=3, max_tokens=20, **kw)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    r = client.chat.completions.create(max_tokens=5, **kw)
+    assert r.usage.completion_tokens == 5
+    r = client.chat.completions.create(max_completion_tokens=4, **kw)
+    assert r.usage.completion_tokens == 4
+
+
+def test_itemA_include_usage_sends_the_usage_chunk_before_done(server, model_path):
+    client = server.client()
+    chunks = list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=4, temperature=0,
+                                                 logit_bias=NO_EOG, stream=True,
+                                                 stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 4 and last.usage.prompt_tokens > 0
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 4 and last.id == chunks[0].id
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+    data = sse_data(server.base + "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True,
+                                                      "logit_bias": NO_EOG, "stream_options": {"include_usage": True}})
+    assert data[-1] == "[DONE]"
+    usage = json.loads(data[-2])
+    assert usage["choices"] == [] and usage["object"] == "text_completion" and usage["usage"]["completion_tokens"] == 3
+    plain = sse_data(server.base + "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True})
+    assert all("usage" not in json.loads(d) for d in plain[:-1])
+
+
+def test_itemA_n_above_one_is_a_clear_400(server):
+    for path, body in (("/v1/chat/completions", {"messages": CHAT, "n": 2}),
+                       ("/v1/completions", {"prompt": "Hi", "n": 3})):
+        err = assert_openai_error(*http("POST", server.base + path, body), 400)
+        assert err["param"] == "n" and "n must be 1" in err["message"]
+
+
+def test_itemA_tokenize_detokenize_props_in_llama_servers_shapes(server, model_path):
+    status, body = http("POST", server.base + "/tokenize", {"content": "Hello world"})
+    assert status == 200 and set(body) == {"tokens"} and body["tokens"] and all(type(t) is int for t in body["tokens"])
+    ids = body["tokens"]
+    status, back = http("POST", server.base + "/detokenize", {"tokens": ids})
+    assert status == 200 and back == {"content": "Hello world"}
+    status, pieces = http("POST", server.base + "/tokenize", {"content": "Hello world", "with_pieces": True})
+    assert [p["id"] for p in pieces["tokens"]] == ids and "".join(p["piece"] for p in pieces["tokens"]) == "Hello world"
+    special = http("POST", server.base + "/tokenize", {"content": "<|im_start|>"})[1]["tokens"]
+    literal = http("POST", server.base + "/tokenize", {"content": "<|im_start|>", "parse_special": False})[1]["tokens"]
+    assert len(special) == 1 and len(literal) > 1
+    assert http("POST", server.base + "/detokenize", {"tokens": special})[1] == {"content": "<|im_start|>"}
+    assert_openai_error(*http("POST", server.base + "/detokenize", {"tokens": [10 ** 9]}), 400)
+    assert_openai_error(*http("POST", server.base + "/tokenize", {"content": 5}), 400)
+    status, props = http("GET", server.base + "/props")
+    assert status == 200 and props["total_slots"] == 1
+    assert props["model_path"] == model_path.name and props["model_alias"] == model_path.name
+    assert props["epikv"] == {"kv_budget": BUDGET, "policy": "epikv"} and props["max_prompt_tokens"] == 4 * BUDGET
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == BUDGET and settings["params"]["temperature"] == 0.6
+    assert settings["params"]["n_predict"] == 8192 and "<|im_start|>" in props["chat_template"]
+    assert props["build_info"].startswith("epikv-local ")
+
+
+def test_row14_models_and_props_do_not_show_the_models_directory(server, model_path):
+    for path in ("/v1/models", "/props", "/health"):
+        req = urllib.request.urlopen(server.base + path, timeout=60)
+        text = req.read().decode()
+        assert str(model_path.parent) not in text and model_path.parent.name not in text, (path, text[:300])

@@ -2,11 +2,14 @@
 
 Every request runs as the Llama's stream (so that a client that disconnects also stops a long non-streaming
 generation); a non-streaming response is built from its chunks here. The Llama's reasoning splitter makes the
-streamed deltas and its own final message agree, so the result is what its non-streaming call returns.
-``stats`` is the generation's statistics (``n_prompt_tokens``, ``n_generated_tokens``: token counts; None: zero
-usage). Imports nothing but the Llama's response shapes.
+streamed deltas and its own final message agree, so the result is what its non-streaming call returns: the
+texts joined, the logprobs entries of the chunks concatenated (chat: ``logprobs.content``; completions: the
+four lists), tool-call deltas merged by their index. ``stats`` is the generation's statistics
+(``n_prompt_tokens``, ``n_generated_tokens``: token counts; None: zero usage). Imports nothing but the Llama's
+response shapes.
 """
 
+from .. import logprobs as lp
 from .. import responses
 
 
@@ -17,35 +20,66 @@ def _usage(stats) -> dict:
     return responses.usage(stats.n_prompt_tokens, stats.n_generated_tokens)
 
 
+def _merge_tool_calls(calls: dict, deltas) -> None:
+    """Add streamed ``tool_calls`` deltas to ``calls`` ({index: call}): ids, types and names are set once,
+    the arguments' pieces are joined."""
+    for d in deltas or ():
+        call = calls.setdefault(d.get("index", len(calls)), {"id": None, "type": "function",
+                                                             "function": {"name": "", "arguments": ""}})
+        call["id"] = d.get("id") or call["id"]
+        call["type"] = d.get("type") or call["type"]
+        fn = d.get("function") or {}
+        call["function"]["name"] += fn.get("name") or ""
+        call["function"]["arguments"] += fn.get("arguments") or ""
+
+
 def assemble_chat(chunks: list[dict], stats) -> dict:
     """A ``chat.completion`` from its ``chat.completion.chunk``s (as the Llama's non-streaming call returns)."""
     role, content, reasoning, finish, ext = "assistant", [], [], None, None
+    entries, with_logprobs, calls = [], False, {}
     for c in chunks:
         choice = c["choices"][0]
         delta = choice.get("delta") or {}
         role = delta.get("role") or role
         content.append(delta.get("content") or "")
         reasoning.append(delta.get("reasoning_content") or "")
+        _merge_tool_calls(calls, delta.get("tool_calls"))
+        if choice.get("logprobs") is not None:
+            with_logprobs = True
+            entries.extend(choice["logprobs"].get("content") or [])
         finish = choice.get("finish_reason") or finish
         ext = c.get(responses.EXTENSION, ext)
-    message = {"role": role, "content": "".join(content)}
+    message = {"role": role, "content": "".join(content) if any(content) or not calls else None}
     if any(reasoning):
         message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
     first = chunks[0]
     return {"id": first["id"], "object": "chat.completion", "created": first["created"], "model": first["model"],
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": {"content": entries, "refusal": None} if with_logprobs else None,
+                         "finish_reason": finish}],
             "usage": _usage(stats), responses.EXTENSION: ext}
 
 
 def assemble_completion(chunks: list[dict], stats) -> dict:
     """A ``text_completion`` from its stream chunks."""
-    text, finish, ext = [], None, None
+    text, finish, ext, parts = [], None, None, []
     for c in chunks:
         choice = c["choices"][0]
         text.append(choice.get("text") or "")
+        parts.append(choice.get("logprobs"))
         finish = choice.get("finish_reason") or finish
         ext = c.get(responses.EXTENSION, ext)
     first = chunks[0]
     return {"id": first["id"], "object": "text_completion", "created": first["created"], "model": first["model"],
-            "choices": [{"text": "".join(text), "index": 0, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"text": "".join(text), "index": 0, "logprobs": lp.merge(parts) if any(parts) else None,
+                         "finish_reason": finish}],
             "usage": _usage(stats), responses.EXTENSION: ext}
+
+
+def usage_chunk(last: dict, stats) -> dict:
+    """The chunk ``stream_options.include_usage`` asks for after the last one: no choices, the usage (OpenAI's
+    shape), the same id, object, created and model as the stream's ``last`` chunk."""
+    return {"id": last["id"], "object": last["object"], "created": last["created"], "model": last["model"],
+            "choices": [], "usage": _usage(stats)}

@@ -5,10 +5,12 @@ uvicorn, the Llama (llama_cpp) and the app are loaded by :func:`run` only: the C
 its parser.
 """
 
+import ipaddress
 import sys
 
 from ...errors import ConfigError
-from .routes import create_app
+from . import limits as L
+from .routes import api_keys, create_app
 from .service import DEFAULT_MAX_QUEUE
 
 DEFAULT_HOST = "127.0.0.1"
@@ -27,10 +29,27 @@ def add_args(p) -> None:
                    help="model id in /v1/models and responses; unset: the model file's name")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (0: any free port)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*; unset: no key (/health is always open)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY[,KEY...]",
+                   help="require 'Authorization: Bearer KEY' on every path but /health (repeatable or "
+                        "comma-separated: each key is one client identity); unset: no key")
+    p.add_argument("--cors-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="browser origins allowed to call the server ('*': any); unset: loopback origins only")
+    p.add_argument("--share-prompt-cache", action="store_true",
+                   help="let a request reuse the cached prompt prefix of another key's (off: reset between keys)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests that may wait while one runs; more are answered 503")
+    p.add_argument("--max-body-bytes", type=int, default=L.DEFAULT_MAX_BODY_BYTES,
+                   help="bytes of one request body; more is 413")
+    p.add_argument("--max-messages", type=int, default=L.DEFAULT_MAX_MESSAGES,
+                   help="chat messages in one request; more is 400")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="prompt tokens of one request; more is 400 (default: 4 x --kv-budget)")
+    p.add_argument("--max-tokens", type=int, default=L.DEFAULT_MAX_TOKENS,
+                   help="tokens one request may generate: the default max_tokens, and asking for more is 400")
+    p.add_argument("--max-request-seconds", type=float, default=L.DEFAULT_MAX_REQUEST_SECONDS,
+                   help="seconds one request may hold the model (prefill + generation); then it is stopped, 503")
+    p.add_argument("--stall-seconds", type=float, default=L.DEFAULT_STALL_SECONDS,
+                   help="seconds a stream may wait for a client that reads nothing; then it is dropped")
     add_budget_args(p)
     p.add_argument("--reasoning-format", choices=list(FORMATS), default="deepseek",
                    help="deepseek: <think>...</think> goes to reasoning_content; none: it stays in content")
@@ -43,10 +62,40 @@ def _check_args(args) -> None:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ConfigError("--api-key must not be empty")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ConfigError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    api_keys(args.api_key)
+    cors_origins(args.cors_origins)
+    server_limits(args)
     if args.model_alias is not None and not args.model_alias.strip():
         raise ConfigError("--model-alias must not be empty")
+
+
+def server_limits(args) -> L.Limits:
+    return L.Limits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_tokens=args.max_tokens,
+                    max_request_seconds=args.max_request_seconds, stall_seconds=args.stall_seconds)
+
+
+def cors_origins(text: str | None) -> list[str] | None:
+    """``--cors-origins``: a list of ``scheme://host[:port]`` origins or ``*``; None: the loopback default."""
+    if text is None:
+        return None
+    origins = [o.strip().rstrip("/") for o in text.split(",") if o.strip()]
+    bad = [o for o in origins if o != "*" and not (o.startswith(("http://", "https://")) and "/" not in o[8:])]
+    if not origins or bad:
+        raise ConfigError(f"--cors-origins takes scheme://host[:port] origins or '*', comma-separated; got {text!r}")
+    return origins
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a --host value) is a loopback address or name: then only loopback Host headers are
+    accepted (a web page using DNS rebinding sends its own name)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _listen(host: str, port: int):
@@ -78,14 +127,20 @@ def _url(sock) -> str:
 
 def _serve(uvicorn, app, sock, banner: str, verbose: bool) -> None:
     """Serve ``app`` on ``sock`` until SIGINT / SIGTERM; ``banner`` goes to stderr once uvicorn is up."""
+    import asyncio
+
     service = app.state.epikv
+    loop = []
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # SIGINT / SIGTERM: generations stop at their next token
+        def handle_exit(self, sig, frame):  # SIGINT / SIGTERM: generations stop, a prefill at its next chunk
             service.stopping = True
+            if loop:  # a signal handler: the job is stopped from the event loop, not from here
+                loop[0].call_soon_threadsafe(service.shutdown)
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
+            loop.append(asyncio.get_running_loop())
             await super().startup(sockets=sockets)
             if not self.should_exit:
                 print(banner, file=sys.stderr, flush=True)
@@ -118,13 +173,16 @@ def run(args) -> int:
         from ..llama import Llama
         from ..options import llama_kwargs
 
+        max_prompt = args.max_prompt_tokens or L.default_max_prompt_tokens(args.kv_budget)
         llama = Llama(**{**llama_kwargs(args), "model_path": model_path}, chat_format=args.chat_format,
-                      reasoning_format=args.reasoning_format)
+                      reasoning_format=args.reasoning_format, max_prompt_tokens=max_prompt)
         app = None
         try:
             if llama.calibration is not None:
                 print(f"epikv-local: using calibration {llama.calibration.path}", file=sys.stderr)
-            app = create_app(llama, model_alias=alias, api_key=args.api_key, max_queue=args.max_queue)
+            app = create_app(llama, model_alias=alias, api_key=args.api_key, max_queue=args.max_queue,
+                             limits=server_limits(args), cors_origins=cors_origins(args.cors_origins),
+                             check_host=is_loopback(args.host), share_prompt_cache=args.share_prompt_cache)
             _serve(uvicorn, app, sock, f"epikv-local: serving {alias} on {_url(sock)}", args.verbose)
         finally:
             if app is not None:

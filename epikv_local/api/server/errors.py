@@ -1,29 +1,21 @@
 """OpenAI-shaped errors, ``{"error": {"message", "type", "param", "code"}}``, and the statuses they get.
 
-A bad request (body not JSON, fields of the wrong type, an unknown model name, any ``EpikvError`` of the Llama
-such as a ``BudgetError``) is a 4xx (400 naming the field for a validation error) and leaves the server healthy;
-a ``NativeError`` is a 500; a full queue or a shutdown is 503; a missing or wrong API key is 401.
+A bad request (fields of the wrong type, any ``EpikvError`` of the Llama such as a ``BudgetError``) is a 4xx (400
+naming the field for a validation error) and leaves the server healthy; a ``NativeError`` is a 500; a full queue,
+a shutdown or a request past ``--max-request-seconds`` is 503. The gate (:mod:`.gate`) answers its own refusals
+(401 key, 403 host or origin, 413 body size, 400 body not a JSON object within limits) in the same shape.
 
-:class:`OpenAIRoute` is llama-cpp-python's ``RouteErrorHandler`` with that mapping, and a check that the body is
-a JSON object before its recovery path re-reads it. This module imports fastapi and llama-cpp-python's server
-(so llama_cpp) at the top: :func:`~epikv_local.api.server.routes.create_app` imports it, nothing at import time.
+:class:`OpenAIRoute` is llama-cpp-python's ``RouteErrorHandler`` with that mapping. This module imports fastapi
+and llama-cpp-python's server (so llama_cpp) at the top: :func:`~epikv_local.api.server.routes.create_app` imports it, nothing at import time.
 """
 
-import json
-
-from fastapi import HTTPException, Request
+from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...errors import EpikvError, NativeError, first_line
-
-
-def json_type(value) -> str:
-    """``value``'s JSON type, with its article ("an object", "null", ...)."""
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number")
+from ...errors import ConfigError, EpikvError, NativeError, first_line
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -81,41 +73,32 @@ def error_response(status: int, message: str, type_: str | None = None, param=No
                         headers=headers)
 
 
+def epikv_error(error: EpikvError) -> tuple[int, str, str, str | None]:
+    """(status, message, code, param) of a Llama error: its first line and class name, except a prompt over the
+    server's ``--max-prompt-tokens`` (the Llama's ``max_prompt_tokens``), which is OpenAI's
+    ``context_length_exceeded`` naming the flag."""
+    message = first_line(error)
+    if isinstance(error, ConfigError) and "(max_prompt_tokens)" in message:
+        return 400, message.replace("the limit", "the server's limit").replace(
+            "(max_prompt_tokens)", "(--max-prompt-tokens)"), "context_length_exceeded", None
+    return epikv_status(error), message, type(error).__name__, None
+
+
 class OpenAIRoute(RouteErrorHandler):
     """llama-cpp-python's error route with our mapping: EpikvError -> 400 (NativeError 500), validation
-    error -> 400 naming the field; other exceptions stay its 500 with a traceback on stderr."""
+    error -> 400 naming the field; other exceptions stay its 500 with a traceback on stderr. The body reaches
+    it checked by the gate (:mod:`.gate`: a JSON object within the limits), so its recovery path, which
+    re-reads the body, can parse it."""
 
     def error_message_wrapper(self, error, body=None):
         if isinstance(error, EpikvError):
-            status = epikv_status(error)
-            return status, ErrorResponse(message=first_line(error), type=status_type(status), param=None,
-                                         code=type(error).__name__)
+            status, message, code, param = epikv_error(error)
+            return status, ErrorResponse(message=message, type=status_type(status), param=param, code=code)
         if isinstance(error, RequestValidationError):
             message, param = validation_message(error.errors())
             return 400, ErrorResponse(message=message, type="invalid_request_error", param=param,
                                       code="invalid_value")
         return super().error_message_wrapper(error, body)
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def route(request: Request):
-            if request.method == "POST":  # its recovery path re-reads the body as a JSON object
-                try:
-                    data = json.loads(await request.body() or b"null")
-                except ValueError:
-                    raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-                if not isinstance(data, dict):
-                    raise APIError(400, f"the request body must be a JSON object, got {json_type(data)}",
-                                   code="invalid_json")
-                if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-                    # a JSON body whatever its declared type (curl -d sends form-urlencoded), as llama-server
-                    request.scope["headers"] = [(k, v) for k, v in request.scope["headers"]
-                                                if k.lower() != b"content-type"]
-                    request.scope["headers"].append((b"content-type", b"application/json"))
-                    request.__dict__.pop("_headers", None)  # Request caches its parsed headers
-            return await handler(request)
-        return route
 
 
 async def http_error(request, exc: StarletteHTTPException):
@@ -125,6 +108,12 @@ async def http_error(request, exc: StarletteHTTPException):
     return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
+async def llama_error(request, exc: EpikvError):
+    """A Llama error outside an :class:`OpenAIRoute` (the GET endpoints)."""
+    status, message, code, param = epikv_error(exc)
+    return error_response(status, message, param=param, code=code)
+
+
 async def validation_error(request, exc: RequestValidationError):
     """A body that fails validation outside an :class:`OpenAIRoute`: 400 naming the field."""
     message, param = validation_message(exc.errors())
@@ -132,4 +121,4 @@ async def validation_error(request, exc: RequestValidationError):
 
 
 #: the app's exception handlers, {exception class: handler(request, exc) -> response}
-HANDLERS = {StarletteHTTPException: http_error, RequestValidationError: validation_error}
+HANDLERS = {StarletteHTTPException: http_error, RequestValidationError: validation_error, EpikvError: llama_error}

@@ -1,31 +1,49 @@
 """Request bodies and their translation into Llama arguments.
 
 The request models are llama-cpp-python's server's (``CreateChatCompletionRequest``,
-``CreateCompletionRequest``: field names, types and ranges as it accepts them); only the chat messages are left
-to the Llama's own check, whose errors name the message. Sampling fields a request does not set take the
-Llama's defaults (the reasoning-model temperature 0.6 / top-p 0.95, no ``max_tokens`` limit), not the request
-model's. This module imports pydantic and llama-cpp-python's server at the top (so llama_cpp):
-:func:`~epikv_local.api.server.routes.create_app` imports it, nothing at import time.
+``CreateCompletionRequest``: field names and ranges as it accepts them), made strict (``"max_tokens": "10"`` or
+``true`` is a 400, not coerced), plus OpenAI's ``max_completion_tokens`` (which wins over ``max_tokens``) and
+``stream_options``. The chat messages are checked here for what the chat template cannot take (a missing or
+null ``content``, also beside tool calls: 400 naming the message) and their count (``--max-messages``); the rest
+of their check is the Llama's, whose errors name the message. Any ``model`` name is accepted (one model is served: responses
+name its alias). Sampling fields a request does not set take the Llama's defaults (the reasoning-model
+temperature 0.6 / top-p 0.95), not the request model's; ``max_tokens`` defaults to the server's ``--max-tokens``,
+and more than it is refused. This module imports pydantic and llama-cpp-python's server at the top (so
+llama_cpp): :func:`~epikv_local.api.server.routes.create_app` imports it, nothing at import time.
 """
 
 from typing import Any
 
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..chat import flatten_text_parts
 from .errors import APIError
+from .limits import Limits
 
 #: request fields that are not Llama arguments (checked or converted here)
-NOT_LLAMA_ARGS = frozenset({"n", "best_of", "user", "logit_bias_type", "min_tokens", "stream"})
+NOT_LLAMA_ARGS = frozenset({"n", "best_of", "user", "logit_bias_type", "min_tokens", "stream", "stream_options",
+                            "max_completion_tokens", "max_tokens"})
+STRICT = ConfigDict(strict=True)
 
-CompletionRequest = CreateCompletionRequest
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool = Field(False, description="send a last chunk with the usage (and no choices) before [DONE]")
+
+
+class CompletionRequest(CreateCompletionRequest):
+    model_config = STRICT
+    stream_options: StreamOptions | None = None
 
 
 class ChatRequest(CreateChatCompletionRequest):
-    # the Llama checks each message (check_messages: role, content, naming the index); pydantic's union of
+    model_config = STRICT
+    # the messages are checked by check_chat_messages and the Llama (naming the index); pydantic's union of
     # message TypedDicts would answer a wrong content type with a list of role mismatches
     messages: list[dict[str, Any]] = Field(default_factory=list, description="the conversation")
+    max_completion_tokens: int | None = Field(None, description="tokens to generate at most (wins over max_tokens)")
+    stream_options: StreamOptions | None = None
 
 
 def token_bias(body) -> dict | None:
@@ -34,14 +52,31 @@ def token_bias(body) -> dict | None:
     return body.logit_bias if body.logit_bias_type == "tokens" else None
 
 
-def request_kwargs(body, alias: str, input_field: str) -> dict:
+def include_usage(body) -> bool:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def max_tokens(body, limits: Limits) -> int:
+    """The request's token limit: ``max_completion_tokens``, else ``max_tokens``, else the server's
+    ``--max-tokens``; asking for more than the server's is a 400 naming it."""
+    field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    asked = getattr(body, field)
+    if asked is None:
+        return limits.max_tokens
+    if asked < 1:
+        raise APIError(400, f"{field} must be >= 1, got {asked}", param=field, code="invalid_value")
+    if asked > limits.max_tokens:
+        raise APIError(400, f"{field} is {asked}, over the server's limit of {limits.max_tokens} tokens "
+                            "(--max-tokens)", param=field, code="max_tokens_exceeded")
+    return asked
+
+
+def request_kwargs(body, alias: str, input_field: str, limits: Limits) -> dict:
     """The request's fields as Llama arguments (unset ones take the Llama's defaults), checked, without
     ``input_field`` (``"messages"`` or ``"prompt"``: the caller converts it) and without a text-keyed
-    ``logit_bias`` (:func:`token_bias`). ``alias``: the one model id this server answers to."""
+    ``logit_bias`` (:func:`token_bias`). ``alias``: the model id responses carry, whatever ``model`` says."""
     excluded = {input_field, "logit_bias"} if body.logit_bias_type == "tokens" else {input_field}
-    if body.model is not None and body.model != alias:
-        raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{alias}`",
-                       "invalid_request_error", "model", "model_not_found")
     if body.n not in (None, 1):
         raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
     if getattr(body, "best_of", None) not in (None, 1):
@@ -55,24 +90,43 @@ def request_kwargs(body, alias: str, input_field: str) -> dict:
         if bad:
             raise APIError(400, f"logit_bias keys must be token ids, got {bad[:3]} (or set "
                                 "logit_bias_type='tokens')", param="logit_bias")
+    kw["max_tokens"] = max_tokens(body, limits)
     kw["model"] = alias
     return kw
 
 
-def chat_kwargs(body: ChatRequest, alias: str) -> dict:
+def check_chat_messages(messages: list[dict], limits: Limits) -> None:
+    """400 naming the message: more than ``--max-messages``, or a message without text content (a missing or
+    null ``content``, also an assistant turn that has ``tool_calls`` instead: the chat template renders every
+    message's content as text, and would fail on None)."""
+    if len(messages) > limits.max_messages:
+        raise APIError(400, f"{len(messages)} messages, over the server's limit of {limits.max_messages} "
+                            "(--max-messages)", param="messages", code="too_many_messages")
+    for i, m in enumerate(messages):
+        if m.get("content") is None:
+            state = "null" if "content" in m else "missing"
+            calls = next((k for k in ("tool_calls", "function_call") if m.get(k) is not None), None)
+            why = (f"a turn with {calls} needs its content as a string here (\"\" will do): the chat template "
+                   "renders text") if calls else "every message needs a string or a list of text parts"
+            raise APIError(400, f"messages[{i}].content is {state}: {why}", param=f"messages[{i}].content",
+                           code="invalid_value")
+
+
+def chat_kwargs(body: ChatRequest, alias: str, limits: Limits) -> dict:
     """``Llama.create_chat_completion`` arguments of a chat request (messages with text parts joined)."""
-    kw = request_kwargs(body, alias, "messages")
+    kw = request_kwargs(body, alias, "messages", limits)
+    check_chat_messages(body.messages, limits)
     kw["messages"] = [flatten_text_parts(m) for m in body.messages]
     return kw
 
 
-def completion_kwargs(body: CompletionRequest, alias: str) -> dict:
+def completion_kwargs(body: CompletionRequest, alias: str, limits: Limits) -> dict:
     """``Llama.create_completion`` arguments of a completion request: one prompt (a list of one is unpacked)."""
     prompt = body.prompt
     if isinstance(prompt, list):
         if len(prompt) > 1:
             raise APIError(400, f"one prompt per request, got {len(prompt)}", param="prompt")
         prompt = prompt[0] if prompt else ""
-    kw = request_kwargs(body, alias, "prompt")
+    kw = request_kwargs(body, alias, "prompt", limits)
     kw["prompt"] = prompt
     return kw

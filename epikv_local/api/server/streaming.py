@@ -1,36 +1,94 @@
 """A request's life once its body is checked: wait for the model, open the Llama's stream, respond.
 
-:func:`start` admits the request (or 503), waits for the model and opens the stream in a :class:`~.service.Job`,
-so that bad input and a prompt that does not fit the budget are answered before any response is sent.
-:func:`respond` sends the chunks as server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``) or
-assembles one JSON response from them. Either way the model is freed when the response ends, however it ends.
+:func:`start` admits the request (or 503), waits for the model and opens the stream in a
+:class:`~.job.Job`, so that bad input and a prompt that does not fit the budget are answered before any response
+is sent. A client that leaves while it waits in the queue gives its place back at once; one that leaves during
+the prefill stops it (``llama.cancel()``). :func:`respond` sends the chunks as server-sent events (``data:
+{chunk}`` lines, then ``data: [DONE]``; an error once the stream has started, a shutdown's included, is its last
+event before ``[DONE]``) or assembles one JSON response from them. Either way the model is freed when the
+response ends, however it ends: a stream whose client reads nothing for ``--stall-seconds`` is dropped.
 This module imports fastapi, sse-starlette and llama-cpp-python's server at the top:
 :func:`~epikv_local.api.server.routes.create_app` imports it, nothing at import time.
 """
 
+import asyncio
 import json
+import sys
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from llama_cpp.server.app import _logit_bias_tokens_to_input_ids
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 
-from ...errors import EpikvError, first_line
-from .errors import APIError, epikv_status, error_body, status_type
+from ...errors import EpikvError
+from .errors import APIError, epikv_error, error_body, status_type
+from .gate import IDENTITY
+from .limits import Limits
 from .service import END_OF_STREAM, STREAM_OPENED, Job, Service, ShuttingDown
 
+#: seconds a stream may take to send its last events once a shutdown began (within uvicorn's grace period)
+SHUTDOWN_EVENTS_S = 3.0
 
-async def start(service: Service, request: Request, method, kwargs: dict, bias_tokens: dict | None) -> Job:
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body was read by then: only a disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, coro, on_gone):
+    """Await ``coro`` in this task; if the client leaves meanwhile, call ``on_gone()`` (on the event loop, while
+    this task still waits in ``coro``), which makes ``coro`` end (its result or error is the caller's)."""
+    waiting = [True]
+
+    def fire(f: asyncio.Future) -> None:
+        if waiting[0] and not f.cancelled() and f.exception() is None:
+            on_gone()
+
+    gone = asyncio.ensure_future(_disconnected(request))
+    gone.add_done_callback(fire)
+    try:
+        return await coro
+    finally:
+        waiting[0] = False
+        gone.cancel()
+
+
+async def _wait_for_model(service: Service, request: Request) -> None:
+    """Wait for the model (FIFO); a client that leaves meanwhile gives its place back at once (400)."""
+    task, left = asyncio.current_task(), []
+
+    def leave() -> None:
+        left.append(True)
+        task.cancel()  # thrown into service.acquire(), which counts the request out
+
+    try:
+        await _unless_gone(request, service.acquire(), leave)
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        task.uncancel()
+        raise service.client_gone_error() from None
+
+
+def timeout_error(limits: Limits) -> APIError:
+    return APIError(503, f"the request ran past the server's limit of {limits.max_request_seconds:g} seconds "
+                         "(--max-request-seconds); its generation was stopped", code="request_timeout")
+
+
+async def start(service: Service, request: Request, method, kwargs: dict, bias_tokens: dict | None,
+                limits: Limits) -> Job:
     """Admit (or 503), wait for the model, and open ``method(**kwargs)`` (a Llama ``*_steps`` method) in a job:
     bad input and a prompt that does not fit the budget raise here, before any response is sent.
     ``bias_tokens``: a ``logit_bias`` keyed by token text, converted to token ids once the model is held."""
-    service.admit(APIError)
-    await service.acquire()
+    service.admit()
+    await _wait_for_model(service, request)
     try:
-        service.check_stopping(APIError)
+        service.check_stopping()
         if await request.is_disconnected():
-            raise APIError(400, "the client closed the request before it started", code="client_closed")
-        job = Job(service)
+            raise service.client_gone_error()
+        job = Job(service, request.scope.get(IDENTITY))
     except BaseException:
         service.release()
         raise
@@ -40,13 +98,14 @@ async def start(service: Service, request: Request, method, kwargs: dict, bias_t
             kwargs["logit_bias"] = _logit_bias_tokens_to_input_ids(service.llama, bias_tokens)
         return iter(method(**kwargs))
 
-    job.start(open_stream)
-    try:
-        if await job.get() is not STREAM_OPENED:
+    job.start(open_stream, limits.max_request_seconds, timeout_error(limits))
+    try:  # the prefill: a client that leaves stops it
+        if await _unless_gone(request, job.get(), lambda: job.stop(service.client_gone_error())) \
+                is not STREAM_OPENED:
             raise RuntimeError("the generation thread did not open its stream")
     except ShuttingDown:
         await job.finish()
-        service.check_stopping(APIError)
+        service.check_stopping()
         raise
     except BaseException:
         await job.finish()
@@ -54,41 +113,56 @@ async def start(service: Service, request: Request, method, kwargs: dict, bias_t
     return job
 
 
-async def respond(service: Service, request: Request, job: Job, stream: bool, assemble):
-    """The response to a started ``job``: its chunks as events when ``stream``, else
-    ``assemble(chunks, stats)`` as JSON (gathered until the end; a client that leaves stops the generation)."""
+async def respond(service: Service, request: Request, job: Job, stream: bool, assemble, limits: Limits,
+                  usage_chunk=None):
+    """The response to a started ``job``: its chunks as events when ``stream`` (then ``usage_chunk(last chunk,
+    stats)``, when given, before ``[DONE]``), else ``assemble(chunks, stats)`` as JSON (gathered until the end;
+    a client that leaves stops the generation)."""
     if stream:
-        return JobEventSource(events(service, request, job), job=job, sep="\n")
+        return JobEventSource(events(service, request, job, usage_chunk), job=job, sep="\n",
+                              send_timeout=limits.stall_seconds, shutdown_event=anyio.Event(),
+                              shutdown_grace_period=SHUTDOWN_EVENTS_S)
     try:
         chunks = []
         while (chunk := await job.get()) is not END_OF_STREAM:
             chunks.append(chunk)
-            service.check_stopping(APIError)
+            service.check_stopping()
             if await request.is_disconnected():
-                raise APIError(400, "the client closed the request", code="client_closed")
+                raise service.client_gone_error()
     finally:
         stats = await job.finish()
     return JSONResponse(assemble(chunks, stats))
 
 
-async def events(service: Service, request: Request, job: Job):
+def _error_event(e: BaseException) -> dict:
+    if isinstance(e, APIError):
+        body = error_body(e.detail, e.type, e.param, e.code)
+    else:
+        status, message, code, param = epikv_error(e)
+        body = error_body(message, status_type(status), param, code)
+    return {"data": json.dumps(body)}
+
+
+async def events(service: Service, request: Request, job: Job, usage_chunk=None):
     """The job's chunks as server-sent events (``{"data": json}``), then ``[DONE]``; an error once the response
-    has started (a Llama error, a shutdown) is the last event, in OpenAI's error shape."""
+    has started (a Llama error, a shutdown, a limit) is the last event before ``[DONE]``, in OpenAI's shape."""
     try:
+        last = None
         while True:
             try:
                 chunk = await job.get()
-            except EpikvError as e:  # the response has started: the error goes into the stream
-                status = epikv_status(e)
-                yield {"data": json.dumps(error_body(first_line(e), status_type(status), code=type(e).__name__))}
-                return
-            if chunk is END_OF_STREAM:
+            except (EpikvError, APIError) as e:  # the response has started: the error goes into the stream
+                yield _error_event(e)
                 break
+            if chunk is END_OF_STREAM:
+                if usage_chunk is not None and last is not None:
+                    yield {"data": json.dumps(usage_chunk(last, await job.finish()))}
+                break
+            last = chunk
             yield {"data": json.dumps(chunk)}
             if service.stopping:
-                yield {"data": json.dumps(error_body("the server is shutting down", "unavailable_error",
-                                                     code="shutting_down"))}
-                return
+                yield _error_event(service.shutdown_error())
+                break
             if await request.is_disconnected():
                 return
         yield {"data": "[DONE]"}
@@ -97,7 +171,9 @@ async def events(service: Service, request: Request, job: Job):
 
 
 class JobEventSource(EventSourceResponse):
-    """An SSE response that frees the model when it ends, however it ends (also if never iterated)."""
+    """An SSE response that frees the model when it ends, however it ends (also if never iterated). A send that
+    waits past its ``send_timeout`` (a client that reads nothing) drops the stream: the model is freed and the
+    connection closed."""
 
     def __init__(self, content, *, job: Job, **kwargs):
         super().__init__(content, **kwargs)
@@ -106,5 +182,8 @@ class JobEventSource(EventSourceResponse):
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            print(f"epikv-local: dropped a stream whose client read nothing for {self.send_timeout:g} s "
+                  "(--stall-seconds)", file=sys.stderr, flush=True)
         finally:
             await self.job.finish()
