@@ -63,7 +63,9 @@ TESTS = Path(__file__).resolve().parent
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        rel = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
+        path = Path(str(item.fspath)).resolve()
+        # a plugin's tests (scripts/gpu_check/checks.py) live outside tests/: keyed by their absolute path
+        rel = path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else path.as_posix()
         name = f"{rel}::{item.originalname or item.name}"
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or rel in SUBPROCESS_MODEL_TESTS \
                 or name in SUBPROCESS_MODEL_TESTS:

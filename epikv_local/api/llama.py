@@ -19,7 +19,6 @@ llama-server's default) and can be given a token budget (``reasoning_budget``).
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
 import threading
 import warnings
@@ -31,8 +30,8 @@ from ..engine.handles import Closing, Model
 from ..engine.native import load
 from ..engine.sampling import MAX_SEED, SamplingConfig
 from ..engine.session import Session
-from ..errors import ConfigError, ModelError
-from . import responses
+from ..errors import ConfigError
+from . import hub, responses
 from .chat import flatten_text_parts
 from .chat_call import HandlerCall, chat_arguments, chat_steps, split_message
 from .completion import chained, check_budget, completion_chunks, fim_prompt
@@ -53,7 +52,7 @@ LLAMA_DEFAULT_SEED = MAX_SEED
 LAST_N_TOKENS_SIZE = 64
 #: llama-cpp-python constructor arguments accepted for compatibility but without effect here
 IGNORED_ARGS = frozenset({
-    "use_mmap", "use_mlock", "vocab_only", "kv_overrides", "main_gpu", "split_mode", "tensor_split",
+    "use_mmap", "use_mlock", "vocab_only", "attention_type", "kv_overrides", "main_gpu", "split_mode", "tensor_split",
     "rope_scaling_type", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor",
     "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_orig_ctx", "logits_all", "embedding",
     "offload_kqv", "op_offload", "swa_full", "lora_base", "lora_scale", "lora_path",
@@ -188,31 +187,13 @@ class Llama(LlamaExtras, Closing):
         return "llama-2", lcf.get_chat_completion_handler("llama-2")  # llama-cpp-python's fallback
 
     @classmethod
-    def from_pretrained(cls, repo_id: str, filename: str, local_dir: str | os.PathLike | None = None,
+    def from_pretrained(cls, repo_id: str, filename: str, additional_files: list[str] | None = None,
+                        local_dir: str | os.PathLike | None = None, local_dir_use_symlinks="auto",
                         cache_dir: str | os.PathLike | None = None, **kwargs) -> "Llama":
-        """Load ``filename`` (a name or glob pattern) of a Hugging Face Hub repository through huggingface-hub,
-        which honours its cache (``HF_HUB_CACHE``) and offline mode (``HF_HUB_OFFLINE=1``)."""
-        from huggingface_hub import hf_hub_download, snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-        try:
-            if any(c in filename for c in "*?["):
-                root = Path(snapshot_download(repo_id, allow_patterns=[filename], cache_dir=cache_dir,
-                                              local_dir=local_dir))
-                found = sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                               if p.is_file() and fnmatch.fnmatch(str(p.relative_to(root)), filename))
-                if len(found) != 1:
-                    raise ModelError(f"{len(found)} files of {repo_id} match {filename!r}"
-                                     + (f": {', '.join(found[:8])}" if found else ""))
-                path = root / found[0]
-            else:
-                path = Path(hf_hub_download(repo_id, filename, cache_dir=cache_dir, local_dir=local_dir))
-        except LocalEntryNotFoundError:
-            raise ModelError(f"{repo_id}/{filename} is not in the Hugging Face cache and cannot be downloaded "
-                             "(offline, or no network)") from None
-        except (HfHubHTTPError, ValueError, OSError) as e:
-            raise ModelError(f"cannot get {repo_id}/{filename} from the Hugging Face Hub: {e}") from None
-        return cls(model_path=str(path), **kwargs)
+        """Load ``filename`` (a name or glob pattern) of a Hugging Face Hub repository, with
+        ``additional_files`` (the other shards of a split GGUF), through huggingface-hub (:mod:`.hub`).
+        ``local_dir_use_symlinks`` is accepted and unused: huggingface-hub >= 1 no longer has it."""
+        return cls(model_path=str(hub.download(repo_id, filename, additional_files, local_dir, cache_dir)), **kwargs)
 
     # -- ownership -----------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -55,7 +55,7 @@ import numpy as np
 from ..errors import DataError, EpikvError, first_line
 from ..fileio import write_atomic
 from ..policies._keys import PositionRows
-from ..policies.base import Policy, PositionScores
+from ..policies.base import Observation, Policy, PositionScores
 from ..policies.scoring import StreamingScorer
 from ..policies.triattention import QueryStats
 from .budget import MAX_CELLS
@@ -644,20 +644,63 @@ def _check_policy(pol, session, decoder: _Decoder):
     return fresh
 
 
-def _check_scores(fresh, live: list[int]) -> None:
-    """The restored policy (a throwaway copy) must rate the live positions: (N,) numbers, no exception."""
-    if not live or not fresh.evicts:
-        return
-    pos = np.asarray(live, dtype=np.int64)
+def _probe_observation(session, live: list[int], n_past: int) -> Observation:
+    """The signals of one more decode (at position n_past) as this session's capture would hand them over, with
+    neutral values: the rows a policy appends must fit the ones it restored. Key rows: n_head_kv x the head size
+    llama.cpp uses (the GGUF ``attention.key_length``, default n_embd / n_head)."""
+    info, plan = session.model.info, session.capture.plan
+    head = info.n_embd // max(1, info.n_head)
+    key_length = session.model.metadata().get(f"{info.arch}.attention.key_length")
+    if key_length is not None and key_length.isdigit():
+        head = int(key_length)
+    obs = Observation(positions=np.array([n_past], dtype=np.int64))
+    if plan.layers:
+        obs.g = np.ones((1, len(plan.layers)))
+    if plan.key_layers:
+        obs.keys = np.ones((1, len(plan.key_layers), info.n_head_kv * head), dtype=np.float32)
+    if plan.query_layers:
+        obs.queries = np.ones((1, len(plan.query_layers), info.n_head * head), dtype=np.float32)
+    if plan.attention_layers:
+        n_ctx = max(session.ctx.n_ctx, len(live) + 1)
+        obs.cell_pos = np.full(n_ctx, -1, dtype=np.int32)
+        obs.cell_pos[:len(live) + 1] = live + [n_past]
+        obs.attn_received = np.full(n_ctx, 1.0 / (len(live) + 1), dtype=np.float32)
+        obs.attn_last = obs.attn_received.copy()
+    return obs
+
+
+def _scores_ok(policy, positions: np.ndarray, obs: Observation | None) -> str | None:
+    """None when (a throwaway copy of) ``policy`` rates ``positions``, then takes ``obs`` and rates them and the
+    new position; otherwise what went wrong."""
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            s = np.asarray(copy.deepcopy(fresh).score(pos))
+            p = copy.deepcopy(policy)
+            if obs is not None:
+                p.observe(obs)
+                positions = np.append(positions, obs.positions)
+            s = np.asarray(p.score(positions))
+            if s.shape != positions.shape or s.dtype.kind not in "fiu":
+                return f"scores {len(positions)} positions as a {s.dtype} {s.shape} array"
     except Exception as e:  # noqa: BLE001 - whatever the saved state makes the policy raise, the file is refused
-        raise _Refused("policy.state", f"cannot score the live positions ({type(e).__name__}: {first_line(e)})") \
-            from None
-    if s.shape != pos.shape or s.dtype.kind not in "fiu":
-        raise _Refused("policy.state", f"scores the live positions as a {s.dtype} {s.shape} array")
+        return f"{type(e).__name__}: {first_line(e)}"
+    return None
+
+
+def _check_scores(fresh, session, live: list[int], n_past: int) -> None:
+    """The restored policy (throwaway copies) must rate the live positions, and take the signals of the next
+    decode and rate again (when a fresh policy of this session does: the probe's signals suit this model)."""
+    if not fresh.evicts:
+        return
+    pos = np.asarray(live, dtype=np.int64)
+    problem = _scores_ok(fresh, pos, None) if len(pos) else None
+    if problem:
+        raise _Refused("policy.state", f"cannot score the live positions ({problem})")
+    obs = _probe_observation(session, live, n_past)
+    if _scores_ok(_fresh_policy(session), pos[:0], obs) is None:
+        problem = _scores_ok(fresh, pos, obs)
+        if problem:
+            raise _Refused("policy.state", f"does not fit this session's next decode ({problem})")
 
 
 def _check_capture(enc, session, decoder: _Decoder):
@@ -699,7 +742,7 @@ def _validate(session, header: dict, blobs: dict[str, bytes], own_kv: bytes):
     capture = _check_capture(header["capture"], session, decoder)
     if len(decoder.used) != len(decoder.arrays):
         raise _Refused("arrays", f"{len(decoder.arrays) - len(decoder.used)} of them are referenced nowhere")
-    _check_scores(policy, snap["live"])
+    _check_scores(policy, session, snap["live"], n_past)
     return snap, list(tokens), n_past, policy, capture
 
 

@@ -7,7 +7,6 @@ hanging.
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from test_server import CHAT, ROOT, assert_openai_error, chat, epikv, free_port, http, serving
@@ -207,17 +207,26 @@ PAGE = """<!doctype html><html><body><pre id="out">pending</pre><script>
     }
     out.textContent = "ok:" + r.status + ":" + events + ":" + done + ":" + text;
   } catch (e) { out.textContent = "error:" + e; }
+  fetch("%(pages)s/report", {mode: "no-cors"});  // lets /wait, and so the page's load, finish
 })();
-</script></body></html>"""
+</script><img src="%(pages)s/wait"></body></html>"""
 
 
 @contextlib.contextmanager
 def page_server(pages: dict):
-    """A tiny http.server on another 127.0.0.1 port serving ``pages["html"]`` (as it is when asked); yields its
-    origin."""
-    class Handler(http.server.BaseHTTPRequestHandler):
+    """A tiny http.server on another 127.0.0.1 port; yields its origin. ``/page.html`` is ``pages["html"]`` as
+    it is when asked; ``/wait`` (an image of the page) answers once the page has fetched ``/report`` (or after
+    60 s), so that the page's load event, which ``--dump-dom`` waits for, comes after its script's result."""
+    reported = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            data = pages.get("html", "").encode()
+            if self.path == "/report":
+                reported.set()
+            elif self.path == "/wait":
+                reported.wait(60)
+                reported.clear()
+            data = pages.get("html", "").encode() if self.path == "/page.html" else b""
             self.send_response(200)
             self.send_header("Content-Type", "text/html")
             self.send_header("Content-Length", str(len(data)))
@@ -227,12 +236,13 @@ def page_server(pages: dict):
         def log_message(self, *args):
             pass
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}"
     finally:
+        reported.set()
         srv.shutdown()
         srv.server_close()
         t.join(timeout=10)
@@ -244,7 +254,7 @@ def browser_result(url: str, tmp_path) -> str:
     if browser is None:
         pytest.fail("no headless browser found (tried chromium, chromium-browser, google-chrome): install one")
     r = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'p'}",
-                        "--virtual-time-budget=60000", "--dump-dom", url],
+                        "--dump-dom", url],
                        capture_output=True, text=True, timeout=150)
     start = r.stdout.find('<pre id="out">')
     assert start >= 0, (r.returncode, r.stdout[-500:], r.stderr[-500:])
@@ -252,7 +262,9 @@ def browser_result(url: str, tmp_path) -> str:
 
 
 def test_itemA_cors_a_page_from_a_loopback_origin_streams_a_chat_in_chromium(keyed, tmp_path):
-    with page_server({"html": PAGE % {"url": keyed.base, "key": KEYS[0]}}) as origin:
+    pages: dict = {}
+    with page_server(pages) as origin:
+        pages["html"] = PAGE % {"url": keyed.base, "key": KEYS[0], "pages": origin}
         out = browser_result(origin + "/page.html", tmp_path)
     status, n_events, done, text = out.removeprefix("ok:").split(":", 3)
     assert out.startswith("ok:") and status == "200" and int(n_events) >= 2 and done == "true" and text, out
@@ -264,9 +276,10 @@ def test_itemA_cors_pages_from_other_origins_are_refused_in_chromium(model_path,
     pages: dict = {}
     with page_server(pages) as listed, page_server(pages) as other:
         with serving(model_path, "--api-key", "k", "--cors-origins", listed) as s:
-            pages["html"] = PAGE % {"url": s.base, "key": "k"}
+            pages["html"] = PAGE % {"url": s.base, "key": "k", "pages": listed}
             ok = browser_result(listed + "/page.html", tmp_path / "a")
             served = s.health()["served"]
+            pages["html"] = PAGE % {"url": s.base, "key": "k", "pages": other}
             refused = browser_result(other + "/page.html", tmp_path / "b")
             refused_data = browser_result("data:text/html;charset=utf-8," + urllib.parse.quote(pages["html"]),
                                           tmp_path / "c")

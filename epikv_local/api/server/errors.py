@@ -9,6 +9,8 @@ a shutdown or a request past ``--max-request-seconds`` is 503. The gate (:mod:`.
 and llama-cpp-python's server (so llama_cpp) at the top: :func:`~epikv_local.api.server.routes.create_app` imports it, nothing at import time.
 """
 
+import re
+
 from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -16,6 +18,10 @@ from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import ConfigError, EpikvError, NativeError, first_line
+
+
+#: a union member's tag in a pydantic error location (``str``, ``list[str]``, ``function-after[...]``, a class)
+UNION_MEMBER = re.compile(r"[A-Z].*|str|int|float|bool|none|[\w-]+\[.*\]")
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -44,7 +50,7 @@ def validation_message(errors) -> tuple[str, str | None]:
 
     def path(e) -> str:
         return ".".join(str(x) for x in e.get("loc", ())
-                        if x != "body" and not (isinstance(x, str) and x[:1].isupper()))
+                        if x != "body" and not (isinstance(x, str) and UNION_MEMBER.fullmatch(x)))
 
     first = errors[0]
     param = path(first) or None
