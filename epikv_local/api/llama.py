@@ -50,16 +50,22 @@ REASONING_TEMPERATURE, REASONING_TOP_P = 0.6, 0.95
 LLAMA_DEFAULT_SEED = MAX_SEED
 #: llama-cpp-python's default ``last_n_tokens_size``: the tokens its penalties look back over
 LAST_N_TOKENS_SIZE = 64
-#: llama-cpp-python constructor arguments accepted for compatibility but without effect here
-IGNORED_ARGS = frozenset({
-    "use_mmap", "use_mlock", "vocab_only", "attention_type", "kv_overrides", "main_gpu", "split_mode", "tensor_split",
-    "rope_scaling_type", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor",
-    "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_orig_ctx", "logits_all", "embedding",
-    "offload_kqv", "op_offload", "swa_full", "lora_base", "lora_scale", "lora_path",
-    "numa", "draft_model", "tokenizer", "no_perf", "n_ubatch", "n_threads_batch", "mul_mat_q",
-    "defrag_thold", "f16_kv"})
-#: accepted without a warning: they have nothing to do here (``logits_all``: logprobs need no full logits)
-QUIET_ARGS = frozenset({"n_threads_batch", "logits_all"})
+#: llama-cpp-python constructor arguments without effect here, with llama-cpp-python's defaults: accepted, and a
+#: warning names those set to something else (they tune memory, threads or devices, not what is computed)
+IGNORED_ARGS = {
+    "use_mmap": True, "use_mlock": False, "main_gpu": 0, "split_mode": 1, "tensor_split": None, "n_ubatch": 512,
+    "n_threads_batch": None, "logits_all": False, "embedding": False, "offload_kqv": True, "op_offload": None,
+    "swa_full": None, "no_perf": False, "numa": False, "draft_model": None, "mul_mat_q": True,
+    "defrag_thold": -1.0, "f16_kv": True}
+#: ignored without a warning: logprobs need no ``logits_all`` here, embeddings no ``embedding=True``
+QUIET_ARGS = frozenset({"n_threads_batch", "logits_all", "embedding"})
+#: llama-cpp-python constructor arguments that would change what the model computes: refused (ConfigError)
+#: unless left at llama-cpp-python's default, which means "the model's own"
+REFUSED_ARGS = {
+    "vocab_only": False, "kv_overrides": None, "rope_scaling_type": -1, "attention_type": -1, "rope_freq_base": 0.0,
+    "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0, "lora_base": None, "lora_scale": 1.0, "lora_path": None,
+    "tokenizer": None}
 #: chat roles accepted in messages
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -114,10 +120,18 @@ class Llama(LlamaExtras, Closing):
                  rpc_servers: str | list[str] | None = None, max_prompt_tokens: int | None = None,
                  last_n_tokens_size: int = LAST_N_TOKENS_SIZE, spm_infill: bool = False,
                  pooling_type: int | str | None = None, **kwargs: Any):
-        unknown = sorted(set(kwargs) - IGNORED_ARGS)
+        unknown = sorted(set(kwargs) - set(IGNORED_ARGS) - set(REFUSED_ARGS))
         if unknown:
             raise TypeError(f"Llama() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
-        ignored = sorted(k for k in kwargs if k not in QUIET_ARGS)
+        changed = {k for k, v in kwargs.items() if v is not None and v != {**IGNORED_ARGS, **REFUSED_ARGS}[k]
+                   and not (k == "kv_overrides" and not v)}
+        refused = sorted(changed & set(REFUSED_ARGS))
+        if refused:
+            raise ConfigError(f"epikv_local.Llama does not support {', '.join(refused)}: they change what the model "
+                              "computes (LoRA, RoPE / YaRN scaling, attention type, metadata overrides, another "
+                              "tokenizer, a vocabulary without weights); leave them at llama-cpp-python's defaults "
+                              "(see docs/api.md)")
+        ignored = sorted(changed - QUIET_ARGS)
         if ignored:
             warnings.warn(f"epikv_local.Llama ignores {', '.join(ignored)} (see docs/api.md)", stacklevel=2)
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0):
@@ -276,6 +290,7 @@ class Llama(LlamaExtras, Closing):
             self._generation += 1
             self._close_active()
             self.session.load_state(path)
+            self._stale_at = self._logits_mark()  # the restored sequence has no fresh logits: sample() re-decodes
 
     def _close_active(self) -> None:
         """Supersede the stream still being read, if any (a new call does so before it starts; the caller

@@ -100,6 +100,8 @@ def _check_position_rows(obj, before, where):
     if rows is None:
         if len(pos):
             raise _Refused(f"{where}.rows", f"is missing for {len(pos)} positions")
+    elif type(rows) is not np.ndarray:
+        raise _Refused(f"{where}.rows", f"must be an array, got a {_kind(rows)}")
     elif rows.ndim < 2 or rows.shape[0] != len(pos) or rows.dtype.kind not in "fc":
         raise _Refused(f"{where}.rows", f"must be float or complex rows, one per position ({len(pos)}), got "
                                         f"{rows.dtype} {rows.shape}")
