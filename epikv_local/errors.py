@@ -71,7 +71,9 @@ def interrupt_handler(signum, frame):
 
 class OutputError(EpikvError, OSError):
     """Writing the command's own output (standard output or error) failed: ``target`` names the stream. Raised by
-    the streams :func:`run_main` guards, so that it is told apart from every other OSError (which stays a bug)."""
+    the streams :func:`run_main` guards, so that it is told apart from every other OSError (which stays a bug).
+    It ends the command (one line, or none for a closed pipe): a front door that goes on after an EpikvError
+    (the terminal chat's turn) lets this one through."""
 
     def __init__(self, errno_: int | None, strerror: str | None, target: str):
         super().__init__(errno_, strerror)
@@ -176,13 +178,15 @@ def run_main(prog: str, main, argv=None) -> int:
                 if stream is not None:
                     stream.flush()
             return status
+        except OutputError:  # an EpikvError too: handled below, with its own line (or none)
+            raise
         except EpikvError as e:
             print(f"{prog}: error: {first_line(e)}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return 130
-    except OutputClosed as e:
+    except OutputClosed as e:  # raised by the run or by the lines above
         _silence(_real(sys, "stdout" if e.target == "standard output" else "stderr"))
         return EXIT_PIPE_CLOSED
     except OutputError as e:

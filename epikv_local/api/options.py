@@ -243,9 +243,9 @@ def llama_sampling_kwargs(args: argparse.Namespace, call=None) -> dict:
     the grammar as a ``llama_cpp.LlamaGrammar``), checked like SamplingConfig checks them, plus ``max_tokens``
     and ``stop`` when the Namespace has them. ``call``: the method the keywords are for (default: that one);
     an option it has no keyword for is refused when set to anything but its default."""
-    if call is None:
-        from .llama import Llama
+    from .llama import Llama
 
+    if call is None:
         call = Llama.create_chat_completion
     vals = _sampling_values(args)
     sampling_config(args)  # every value checked once, here, with SamplingConfig's messages
@@ -254,7 +254,8 @@ def llama_sampling_kwargs(args: argparse.Namespace, call=None) -> dict:
     kw = {k: v for k, v in vals.items() if k != "penalty_last_n"}
     if accepts(call, "penalty_last_n"):
         kw["penalty_last_n"] = vals["penalty_last_n"]
-    elif vals["penalty_last_n"] != SAMPLING_DEFAULTS["penalty_last_n"]:
+    elif not accepts(Llama.__init__, "last_n_tokens_size") and \
+            vals["penalty_last_n"] != SAMPLING_DEFAULTS["penalty_last_n"]:  # else the constructor's: llama_kwargs
         raise _unsupported("--repeat-last-n", "chat")
     if grammar is not None:
         from llama_cpp.llama_grammar import LlamaGrammar
@@ -292,9 +293,13 @@ def session_kwargs(args: argparse.Namespace) -> dict:
 
 
 def llama_kwargs(args: argparse.Namespace) -> dict:
-    """``epikv_local.Llama`` keyword arguments from the options above: the model's, the session's and the
-    reasoning budget (passed when this Llama takes it)."""
+    """``epikv_local.Llama`` keyword arguments from the options above: the model's, the session's, the reasoning
+    budget and (a command with the sampling options) --repeat-last-n as llama-cpp-python's ``last_n_tokens_size``,
+    each passed when this Llama takes it."""
     from .llama import Llama
 
-    return dict(model_path=args.model, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, verbose=args.verbose,
-                **session_kwargs(args), **reasoning_kwargs(args, Llama, "chat and serve"))
+    kw = dict(model_path=args.model, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, verbose=args.verbose,
+              **session_kwargs(args), **reasoning_kwargs(args, Llama, "chat and serve"))
+    if hasattr(args, "penalty_last_n") and accepts(Llama.__init__, "last_n_tokens_size"):
+        kw["last_n_tokens_size"] = args.penalty_last_n
+    return kw

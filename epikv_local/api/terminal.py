@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from ..errors import ConfigError, EpikvError, first_line
+from ..errors import ConfigError, EpikvError, OutputError, first_line
 
 PROG = "epikv-local"
 PROMPT = "> "
@@ -260,6 +260,8 @@ class Chat:
                            should_stop=lambda: stop.count > 0, answer=answer)
                 finally:
                     chunks.close()  # runs the library's clean-up now (statistics of a stopped answer)
+            except OutputError:  # the screen is gone (closed pipe, full disk): the chat ends (run_main)
+                raise
             except EpikvError as e:
                 failed = True
                 self.error(e)

@@ -36,8 +36,9 @@ def one_line(stderr: str, needle: str) -> str:
 def test_row10_closed_pipe_ends_quietly_with_141(model_path, json_out):
     """The reader takes 10 bytes and goes away (``| head -c 10``); streaming text keeps writing into the closed pipe.
     With --json the one document is written at the end, into a pipe already closed."""
-    p = subprocess.Popen(CLI + ["generate", "-m", str(model_path), *LONG, *(["--json"] if json_out else [])],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    args = [*LONG[:3], "100", *LONG[4:], "--json"] if json_out else LONG  # --json: the whole run, then one write
+    p = subprocess.Popen(CLI + ["generate", "-m", str(model_path), *args], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
     try:
         if json_out:
             p.stdout.close()  # gone before anything is written

@@ -134,15 +134,23 @@ def test_bad_sampling_values_are_config_errors(flags, needle):
 
 
 def test_repeat_last_n_in_the_chat_is_passed_or_refused():
+    """Per call when the call takes it, else as the constructor's ``last_n_tokens_size`` (llama-cpp-python's name),
+    else refused when set."""
     from epikv_local.api.llama import Llama
 
     args = parse("chat", "--repeat-last-n", "16")
     if O.accepts(Llama.create_chat_completion, "penalty_last_n"):
         assert O.llama_sampling_kwargs(args)["penalty_last_n"] == 16
+    elif O.accepts(Llama.__init__, "last_n_tokens_size"):
+        assert "penalty_last_n" not in O.llama_sampling_kwargs(args)
+        assert O.llama_kwargs(args)["last_n_tokens_size"] == 16
+        assert O.llama_kwargs(parse("chat"))["last_n_tokens_size"] == 64
     else:
         with pytest.raises(ConfigError, match="--repeat-last-n"):
             O.llama_sampling_kwargs(args)
         assert "penalty_last_n" not in O.llama_sampling_kwargs(parse("chat"))  # the default is llama.cpp's 64
+    serve = build_parser()[0].parse_args(["serve", "-m", "m.gguf"])
+    assert "last_n_tokens_size" not in O.llama_kwargs(serve)  # serve has no sampling options: requests carry them
 
 
 def test_reasoning_budget_is_passed_when_the_target_takes_it():
@@ -249,3 +257,13 @@ def test_row9_bf16_kv_cache_runs_on_cpu(model_path):
     out = json.loads(r.stdout)
     assert out["n_generated_tokens"] == 3 and out["kv_bytes"] > 0
     assert "Traceback" not in r.stderr
+
+
+def test_grammar_constrains_the_chat_answer(model_path):
+    r = subprocess.run(CLI + ["chat", "-m", str(model_path), "-t", "1", "-n", "10", "--temp", "0", "--grammar",
+                              'root ::= "yes" | "no"'], input="Is the sky blue?\nIs fire cold?\n", capture_output=True,
+                       text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr
+    answers = [ln.removeprefix("> ").strip() for ln in r.stdout.splitlines()]
+    answers = [a for a in answers if a]
+    assert len(answers) == 2 and set(answers) <= {"yes", "no"}, r.stdout
