@@ -290,12 +290,13 @@ def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int 
 
     def snapshot(reason: str | None) -> GenerationStats:
         st = session.stats()
+        if not stats.n_ctx:  # what cannot change during a generation is copied once (per token: the counts)
+            stats.kv_bytes, stats.n_ctx, stats.capture_route, stats.layers = st.kv_bytes, st.n_ctx, \
+                st.capture_route, st.layers
         stats.n_evicted, stats.n_evicted_call = st.n_evicted, st.n_evicted - evicted_before
-        stats.n_live_cells, stats.max_live_cells, stats.kv_bytes, stats.n_ctx = st.n_live, st.max_live, \
-            st.kv_bytes, st.n_ctx
-        stats.flash_attn, stats.capture_route, stats.layers = st.flash_attn, st.capture_route, st.layers
+        stats.n_live_cells, stats.max_live_cells, stats.flash_attn = st.n_live, st.max_live, st.flash_attn
         stats.stop_reason = reason or ""
-        return dataclasses.replace(stats, layers=list(stats.layers))
+        return dataclasses.replace(stats)  # the snapshots share the (unchanging) layers list
 
     text = _Text(tuple(stop))
     generated: list[int] = []

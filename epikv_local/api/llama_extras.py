@@ -20,6 +20,7 @@ from ..errors import ConfigError
 from . import llama_state
 from .embeddings import EMBED_N_CTX, Embedder, PoolingType, normalized, pooling_type
 from .llama_state import LlamaState
+from .logprobs import logits_to_logprobs as _logits_to_logprobs
 from .lowlevel import LowLevel
 
 
@@ -219,18 +220,7 @@ class LlamaExtras(LowLevel):
             return (ChatCompletionChunk(**chunk) for chunk in self.create_chat_completion(*args, **kwargs))
         return ChatCompletion(**self.create_chat_completion(*args, **kwargs))
 
-    @staticmethod
-    def logits_to_logprobs(logits, axis: int = -1) -> np.ndarray:
-        """log-softmax of ``logits`` along ``axis`` (float32), exactly as llama-cpp-python's."""
-        maxs = np.amax(logits, axis=axis, keepdims=True)
-        if maxs.ndim > 0:
-            maxs[~np.isfinite(maxs)] = 0
-        elif not np.isfinite(maxs):
-            maxs = 0
-        shifted = np.subtract(logits, maxs, dtype=np.single)
-        with np.errstate(divide="ignore"):  # log of zero for an all -inf row
-            out = np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
-        return shifted - out
+    logits_to_logprobs = staticmethod(_logits_to_logprobs)  # llama-cpp-python's (one copy: api/logprobs.py)
 
     @staticmethod
     def longest_token_prefix(a: Sequence[int], b: Sequence[int]) -> int:
