@@ -28,8 +28,9 @@ the model identity, the policy name and settings, the tokens (ints in 0..n_vocab
 engine's bookkeeping (live positions strictly increasing in 0..n_past-1 and within the budget, newest the last
 live position with n_past right after it, prompt end, recent window and counts in range), the arrays table
 against the arrays blob, the policy state against a freshly constructed and bound policy of the same class and
-settings (same attributes, types, dtypes and shapes; the helpers' invariants; the restored policy must score
-the live positions), the capture rows (float32, n_embd each) and the KV blob's cell table (exactly the live
+settings (same attributes, types, dtypes and shapes; the helpers' invariants; a throwaway copy of the restored
+policy must score the live positions, then take the signals of one more decode shaped as this session's capture
+gives them and score again), the capture rows (float32, n_embd each) and the KV blob's cell table (exactly the live
 positions). Any problem is one DataError naming the file and the field; the session is left as it was (a KV
 blob that llama.cpp refuses, or that restores other cells than the header says, is undone before the error).
 Written atomically (temporary file + rename). Saving also re-lays the saved session's cells the way a restore
@@ -671,6 +672,29 @@ def _probe_observation(session, live: list[int], n_past: int) -> Observation:
     return obs
 
 
+def _mixed_dict(obj, where: str, depth: int = 0) -> str | None:
+    """Where a dict of the policy's state holds arrays of different dtypes or shapes (per-chunk arrays grow one
+    entry per chunk, all alike: after the probe's decode added one of the real shape, a crafted entry stands out)."""
+    if depth > MAX_DEPTH:
+        return None
+    if type(obj) is dict:
+        arrays = {(a.dtype.str, a.shape) for a in obj.values() if type(a) is np.ndarray}
+        if len(arrays) > 1:
+            return f"{where} holds arrays of different dtypes or shapes {sorted(arrays)}"
+        items = obj.items()
+    elif type(obj) in (list, tuple, deque):
+        items = enumerate(obj)
+    elif _holder(obj) is not None:
+        items = vars(obj).items()
+    else:
+        return None
+    for k, v in items:
+        problem = _mixed_dict(v, f"{where}.{k}" if type(k) is str else f"{where}[{k!r}]", depth + 1)
+        if problem:
+            return problem
+    return None
+
+
 def _scores_ok(policy, positions: np.ndarray, obs: Observation | None) -> str | None:
     """None when (a throwaway copy of) ``policy`` rates ``positions``, then takes ``obs`` and rates them and the
     new position; otherwise what went wrong."""
@@ -681,6 +705,9 @@ def _scores_ok(policy, positions: np.ndarray, obs: Observation | None) -> str | 
             if obs is not None:
                 p.observe(obs)
                 positions = np.append(positions, obs.positions)
+                mixed = _mixed_dict(p, "policy.state")
+                if mixed:
+                    return mixed
             s = np.asarray(p.score(positions))
             if s.shape != positions.shape or s.dtype.kind not in "fiu":
                 return f"scores {len(positions)} positions as a {s.dtype} {s.shape} array"

@@ -17,6 +17,24 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 #: seconds a shutdown waits for requests in flight before cancelling them (a generation stops at its next token)
 SHUTDOWN_GRACE_S = 5
+#: the kernel send buffer of each connection (bytes; Linux doubles it). Fixed rather than autotuned (up to MBs),
+#: so that a client that reads nothing fills it, and is dropped after --stall-seconds, within a few hundred
+#: tokens; it is still far more than a stream needs in flight
+SEND_BUFFER_BYTES = 64 * 1024
+
+
+#: the limit flags: (flag, type, default, help); their errors name them (docs/security.md has the table)
+LIMIT_ARGS = (
+    ("--max-queue", int, DEFAULT_MAX_QUEUE, "requests that may wait while one runs; more are answered 503"),
+    ("--max-body-bytes", int, L.DEFAULT_MAX_BODY_BYTES, "bytes of one request body; more is 413"),
+    ("--max-messages", int, L.DEFAULT_MAX_MESSAGES, "chat messages in one request; more is 400"),
+    ("--max-prompt-tokens", int, None, "prompt tokens of one request; more is 400 (default: 4 x --kv-budget)"),
+    ("--max-tokens", int, L.DEFAULT_MAX_TOKENS,
+     "tokens one request may generate: the default max_tokens, and asking for more is 400"),
+    ("--max-request-seconds", float, L.DEFAULT_MAX_REQUEST_SECONDS,
+     "seconds one request may hold the model (prefill + generation); then it is stopped, 503"),
+    ("--stall-seconds", float, L.DEFAULT_STALL_SECONDS,
+     "seconds a stream may wait for a client that reads nothing; then it is dropped"))
 
 
 def add_args(p) -> None:
@@ -36,20 +54,8 @@ def add_args(p) -> None:
                    help="browser origins allowed to call the server ('*': any); unset: loopback origins only")
     p.add_argument("--share-prompt-cache", action="store_true",
                    help="let a request reuse the cached prompt prefix of another key's (off: reset between keys)")
-    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                   help="requests that may wait while one runs; more are answered 503")
-    p.add_argument("--max-body-bytes", type=int, default=L.DEFAULT_MAX_BODY_BYTES,
-                   help="bytes of one request body; more is 413")
-    p.add_argument("--max-messages", type=int, default=L.DEFAULT_MAX_MESSAGES,
-                   help="chat messages in one request; more is 400")
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="prompt tokens of one request; more is 400 (default: 4 x --kv-budget)")
-    p.add_argument("--max-tokens", type=int, default=L.DEFAULT_MAX_TOKENS,
-                   help="tokens one request may generate: the default max_tokens, and asking for more is 400")
-    p.add_argument("--max-request-seconds", type=float, default=L.DEFAULT_MAX_REQUEST_SECONDS,
-                   help="seconds one request may hold the model (prefill + generation); then it is stopped, 503")
-    p.add_argument("--stall-seconds", type=float, default=L.DEFAULT_STALL_SECONDS,
-                   help="seconds a stream may wait for a client that reads nothing; then it is dropped")
+    for flag, kind, default, text in LIMIT_ARGS:
+        p.add_argument(flag, type=kind, default=default, help=text)
     add_budget_args(p)
     p.add_argument("--reasoning-format", choices=list(FORMATS), default="deepseek",
                    help="deepseek: <think>...</think> goes to reasoning_content; none: it stays in content")
@@ -110,6 +116,7 @@ def _listen(host: str, port: int):
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)  # inherited by accepted sockets
         sock.bind(addr)
         sock.listen(128)
     except OSError as e:

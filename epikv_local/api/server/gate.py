@@ -36,8 +36,8 @@ LOOPBACK_HOST = re.compile(r"(127\.\d{1,3}\.\d{1,3}\.\d{1,3}|localhost|\[::1\])(
 PREFLIGHT_MAX_AGE_S = 600
 #: bodies larger than this are parsed in a worker thread (bytes), so the event loop keeps answering
 THREADED_PARSE_BYTES = 256 * 1024
-#: an oversized body is read and dropped up to this many bytes before the 413, so that the client, still
-#: sending, reads the answer instead of a reset connection; beyond it the connection is closed
+#: a refused body (too large, or not authenticated) is read and dropped up to this many bytes before the answer,
+#: so that the client, still sending, reads it instead of a reset connection; beyond it the connection is closed
 DRAIN_BYTES = 64 * 1024 * 1024
 _HEADER_NAMES = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+(\s*,\s*[A-Za-z0-9!#$%&'*+.^_`|~-]+)*")
 
@@ -53,6 +53,7 @@ class Refusal(Exception):
         type_ = {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
         super().__init__(message)
         self.status, self.body, self.headers = status, error_json(message, type_, code, param), list(headers)
+        self.body_read = False  # True once the body was read (or drained) to its end
 
 
 class Cors:
@@ -119,6 +120,8 @@ class Gate:
                 scope = await self._check_body(scope, body)
                 receive = _replay(body, receive)
         except Refusal as r:
+            if scope["method"] == "POST" and not r.body_read:  # let the client finish sending, then read the answer
+                await _drain(receive, DRAIN_BYTES if _declared(headers) <= DRAIN_BYTES else 0)
             return await _answer(send_with_cors, r.status, r.body, [(b"content-type", b"application/json"),
                                                                       *r.headers])
         await self.app(scope, receive, send_with_cors)
@@ -152,24 +155,22 @@ class Gate:
         await _answer(send, 204, b"", out)
 
     async def _read_body(self, headers: dict, receive) -> bytes:
-        """The whole body (Refusal 413 beyond ``max_body_bytes``, after draining what fits in ``DRAIN_BYTES``)."""
-        declared = headers.get("content-length", "")
+        """The whole body (Refusal 413 beyond ``max_body_bytes``; the caller drains what fits in ``DRAIN_BYTES``)."""
         limit = self.max_body_bytes
         too_large = Refusal(413, f"the request body is over the server's limit of {limit} bytes "
                                  "(--max-body-bytes)", "body_too_large")
-        if declared.isdigit() and int(declared) > limit:
-            if int(declared) <= DRAIN_BYTES:
-                await _drain(receive, DRAIN_BYTES)
+        if _declared(headers) > limit:
             raise too_large
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise Refusal(400, "the client closed the request", "client_closed")
+                gone = Refusal(400, "the client closed the request", "client_closed")
+                gone.body_read = True
+                raise gone
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _drain(receive, DRAIN_BYTES - size)
                 raise too_large
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -184,7 +185,9 @@ class Gate:
             else:
                 parse_object(body, self.max_depth)
         except BodyError as e:
-            raise Refusal(400, e.message, e.code, e.param) from None
+            refusal = Refusal(400, e.message, e.code, e.param)
+            refusal.body_read = True
+            raise refusal from None
         rest = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-type", b"content-length")]
         return {**scope, "headers": [*rest, (b"content-type", b"application/json"),
                                      (b"content-length", str(len(body)).encode())]}
@@ -198,6 +201,12 @@ def _replay(body: bytes, receive):
     async def replay():
         return pending.pop() if pending else await receive()
     return replay
+
+
+def _declared(headers: dict) -> int:
+    """The body's ``Content-Length`` (0 when absent; chunked bodies are counted as they come)."""
+    value = headers.get("content-length", "")
+    return int(value) if value.isdigit() else 0
 
 
 async def _drain(receive, budget: int) -> None:
