@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from ..engine.handles import Model
-from ..errors import ModelError
+from ..errors import ConfigError, ModelError
+
+#: the fields that let an assistant turn carry no text (its tool calls are what it says)
+CALL_FIELDS = ("tool_calls", "function_call")
 
 
 def apply_chat_template(model: Model, prompt: str, system: str | None = None) -> str:
@@ -27,10 +30,43 @@ def tokenize_prompt(model: Model, text: str) -> list[int]:
 
 def flatten_text_parts(message: dict) -> dict:
     """A message whose content is a list of text parts (``[{"type": "text", "text": ...}, ...]``), with the texts
-    joined by newlines, as llama-server does for templates that take a string; anything else unchanged (the
-    message check names what is wrong with it)."""
+    joined by newlines, as llama-server does for templates that take a string; the null content of a turn that
+    carries tool calls as "" (OpenAI clients send it so; templates render content as text); anything else
+    unchanged (:func:`content_problem` names what is wrong with it)."""
     content = message.get("content")
     if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return {**message, "content": "\n".join(p["text"] for p in content)}
+    if content is None and any(message.get(k) is not None for k in CALL_FIELDS):
+        return {**message, "content": ""}
     return message
+
+
+def content_problem(message: dict) -> str | None:
+    """Why the chat template cannot render this message's content (the sentence after "messages[i].content"),
+    or None: a missing or null content (allowed beside tool calls only), a type that is not text, or text that is
+    not valid Unicode (a lone surrogate cannot be encoded, so cannot be tokenized)."""
+    content = message.get("content")
+    if content is None:
+        if any(message.get(k) is not None for k in CALL_FIELDS):
+            return None
+        return f"is {'null' if 'content' in message else 'missing'}: every message needs a string or a list of " \
+               "text parts (null only beside tool_calls)"
+    texts = [content] if isinstance(content, str) else [p.get("text") for p in content] if (
+        isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)) else None
+    if texts is None or not all(isinstance(t, str) for t in texts):
+        return f"must be a string or a list of text parts, got {type(content).__name__}"
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"is not valid Unicode (a lone surrogate at character {e.start})"
+    return None
+
+
+def utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; ConfigError naming ``what`` for text that is not valid Unicode (a lone surrogate)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} is not valid Unicode (a lone surrogate at character {e.start})") from None

@@ -32,7 +32,7 @@ from ..engine.sampling import MAX_SEED, SamplingConfig
 from ..engine.session import Session
 from ..errors import ConfigError
 from . import hub, responses
-from .chat import flatten_text_parts
+from .chat import content_problem, flatten_text_parts, utf8
 from .chat_call import HandlerCall, chat_arguments, chat_steps, split_message
 from .completion import chained, check_budget, completion_chunks, fim_prompt
 from .generation import ReasoningBudget, stream_generate
@@ -80,13 +80,9 @@ def check_messages(messages) -> None:
         role = m.get("role")
         if role not in ROLES:
             raise ConfigError(f"messages[{i}] has unknown role {role!r}; roles are {', '.join(ROLES)}")
-        content = m.get("content")
-        ok = content is None or isinstance(content, str) or (
-            isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                              and isinstance(p.get("text"), str) for p in content))
-        if not ok:
-            raise ConfigError(f"messages[{i}].content must be a string or a list of text parts, got "
-                              f"{type(content).__name__}")
+        problem = content_problem(m)
+        if problem:
+            raise ConfigError(f"messages[{i}].content {problem}")
 
 
 class Llama(LlamaExtras, Closing):
@@ -228,7 +224,7 @@ class Llama(LlamaExtras, Closing):
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         """Text (UTF-8 bytes, or str) -> token ids, as ``llama_cpp.Llama.tokenize``."""
         if isinstance(text, str):
-            text = text.encode("utf-8")
+            text = utf8(text, "the text to tokenize")
         if not isinstance(text, (bytes, bytearray)):
             raise ConfigError(f"tokenize takes bytes or str, got {type(text).__name__}")
         self.session
@@ -319,7 +315,6 @@ class Llama(LlamaExtras, Closing):
             seed = self.seed
         if seed == LLAMA_DEFAULT_SEED:
             seed = int.from_bytes(os.urandom(4), "little") % LLAMA_DEFAULT_SEED
-        bias = {int(k): float(v) for k, v in (logit_bias or {}).items()} if isinstance(logit_bias, dict) else logit_bias
         text, root = grammar_text(grammar)
         # penalize_prompt=False: llama-cpp-python's penalties see the tokens its chain sampled, not the prompt
         return SamplingConfig(
@@ -327,7 +322,7 @@ class Llama(LlamaExtras, Closing):
             top_p=REASONING_TOP_P if top_p is None else top_p, top_k=top_k, seed=seed, min_p=min_p,
             typical_p=typical_p, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, penalty_last_n=getattr(self, "last_n_tokens_size", LAST_N_TOKENS_SIZE),
-            penalize_prompt=False, logit_bias=bias or (), mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+            penalize_prompt=False, logit_bias=logit_bias or (), mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
             mirostat_eta=mirostat_eta, grammar=text, grammar_root=root)
 
     def _reasoning(self, budget: int | None, starts_open: bool) -> ReasoningBudget:
@@ -363,12 +358,12 @@ class Llama(LlamaExtras, Closing):
         if suffix is None:
             if text is None:
                 return list(prompt), None
-            return (self.tokenize(text.encode("utf-8"), add_bos=True, special=True) if text else []), text
+            return (self.tokenize(utf8(text, "prompt"), add_bos=True, special=True) if text else []), text
         if not isinstance(suffix, str):
             raise ConfigError(f"suffix must be a string, got {type(suffix).__name__}")
         fim = self._fim_tokens()
-        prefix = self.tokenize(text.encode("utf-8"), add_bos=False, special=False) if text else list(prompt or [])
-        suffix_ids = self.tokenize(suffix.encode("utf-8"), add_bos=False, special=False) if suffix else []
+        prefix = self.tokenize(utf8(text, "prompt"), add_bos=False, special=False) if text else list(prompt or [])
+        suffix_ids = self.tokenize(utf8(suffix, "suffix"), add_bos=False, special=False) if suffix else []
         m = self._open_model
         with m.using():
             add_bos, add_eos = m.nat.llama.llama_vocab_get_add_bos(m.vocab), m.nat.llama.llama_vocab_get_add_eos(m.vocab)

@@ -19,6 +19,7 @@ from ..engine.sampling import MAX_SEED
 from ..errors import ConfigError
 from . import llama_state
 from .embeddings import EMBED_N_CTX, Embedder, PoolingType, normalized, pooling_type
+from .chat import utf8
 from .llama_state import LlamaState
 from .logprobs import logits_to_logprobs as _logits_to_logprobs
 from .lowlevel import LowLevel
@@ -68,7 +69,7 @@ class LlamaExtras(LowLevel):
         emb = self._embeddings()
         data, total = [], 0
         for i, text in enumerate(inputs):
-            tokens = self.tokenize(text.encode("utf-8"))
+            tokens = self.tokenize(utf8(text, f"input {i}"))
             if truncate:
                 tokens = tokens[:emb.n_batch]
             if len(tokens) > emb.n_batch:

@@ -56,12 +56,11 @@ class SamplingConfig:
     grammar_root: str = GRAMMAR_ROOT
 
     def __post_init__(self):
-        if isinstance(self.logit_bias, dict):
-            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        given = self.logit_bias
         try:
-            bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
-        except (TypeError, ValueError):
-            raise ConfigError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+            bias = tuple((int(t), float(b)) for t, b in (given.items() if isinstance(given, dict) else given))
+        except (TypeError, ValueError, AttributeError):
+            raise ConfigError(f"logit_bias must map token ids to numbers, got {given!r:.200}") from None
         if any(not math.isfinite(b) and b != -math.inf for _, b in bias):
             raise ConfigError("logit_bias values must be finite (or -inf to ban a token)")
         object.__setattr__(self, "logit_bias", bias)

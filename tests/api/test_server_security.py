@@ -59,14 +59,22 @@ def test_row6_a_hostile_body_is_a_400_not_a_500(keyed, body, code):
 @pytest.mark.parametrize("messages,index", [
     ([{"role": "user", "content": None}], 0),
     ([{"role": "system", "content": "Be brief."}, {"role": "user"}], 1),
-    ([{"role": "user", "content": "What is 2+2?"},
-      {"role": "assistant", "content": None,
-       "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
-      {"role": "tool", "tool_call_id": "c1", "content": "4"}], 1)])
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}], 1)])
 def test_row7_null_or_missing_content_is_a_400_naming_the_message(keyed, messages, index):
     err = assert_openai_error(*http("POST", keyed.base + "/v1/chat/completions", {"messages": messages},
                                     headers=auth(KEYS[0])), 400)
     assert err["param"] == f"messages[{index}].content" and f"messages[{index}]" in err["message"]
+
+
+def test_row7_a_tool_call_turn_with_null_content_is_served(keyed):
+    """What the openai client sends back after a tool call (assistant content null beside tool_calls)."""
+    messages = [{"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "4"}]
+    status, body = http("POST", keyed.base + "/v1/chat/completions", {"messages": messages, "max_tokens": 2},
+                        headers=auth(KEYS[0]))
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant", body
 
 
 @pytest.mark.parametrize("path,raw,param", [

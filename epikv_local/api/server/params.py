@@ -17,7 +17,7 @@ from typing import Any
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..chat import flatten_text_parts
+from ..chat import content_problem, flatten_text_parts
 from .errors import APIError
 from .limits import Limits
 
@@ -96,19 +96,15 @@ def request_kwargs(body, alias: str, input_field: str, limits: Limits) -> dict:
 
 
 def check_chat_messages(messages: list[dict], limits: Limits) -> None:
-    """400 naming the message: more than ``--max-messages``, or a message without text content (a missing or
-    null ``content``, also an assistant turn that has ``tool_calls`` instead: the chat template renders every
-    message's content as text, and would fail on None)."""
+    """400 naming the message: more than ``--max-messages``, or a message whose content the chat template cannot
+    render (:func:`~epikv_local.api.chat.content_problem`: missing, null without tool calls, not text)."""
     if len(messages) > limits.max_messages:
         raise APIError(400, f"{len(messages)} messages, over the server's limit of {limits.max_messages} "
                             "(--max-messages)", param="messages", code="too_many_messages")
     for i, m in enumerate(messages):
-        if m.get("content") is None:
-            state = "null" if "content" in m else "missing"
-            calls = next((k for k in ("tool_calls", "function_call") if m.get(k) is not None), None)
-            why = (f"a turn with {calls} needs its content as a string here (\"\" will do): the chat template "
-                   "renders text") if calls else "every message needs a string or a list of text parts"
-            raise APIError(400, f"messages[{i}].content is {state}: {why}", param=f"messages[{i}].content",
+        problem = content_problem(m)
+        if problem:
+            raise APIError(400, f"messages[{i}].content {problem}", param=f"messages[{i}].content",
                            code="invalid_value")
 
 
