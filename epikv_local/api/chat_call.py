@@ -37,6 +37,12 @@ class HandlerCall:
     def __getattr__(self, name: str):
         return getattr(self._llama, name)
 
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """The Llama's, after its prompt-size check (the handler tokenizes the rendered prompt here)."""
+        if isinstance(text, (bytes, bytearray)):
+            self._llama.check_prompt_bytes(len(text))
+        return self._llama.tokenize(text, add_bos, special)
+
     def create_completion(self, prompt, stream: bool = False, **kwargs):
         text = prompt if isinstance(prompt, str) else self._llama.detokenize(list(prompt), special=True).decode(
             "utf-8", "replace")

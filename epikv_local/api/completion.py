@@ -54,14 +54,15 @@ def fim_prompt(prefix: list[int], suffix: list[int], fim: tuple[int, int, int], 
 
 def completion_chunks(items, model_name: str, echo_text: str, lp: CompletionLogprobs | None,
                       on_done: Callable[[list[int]], None] | None = None) -> Iterator[ChunkStep]:
-    """The stream of one completion from its ``GenerationResponse`` items: a start chunk (with the echo) once
-    the first token is sampled, one chunk per text piece (with the logprobs of the tokens it completes),
-    and a final chunk with the finish reason and the ``"epikv"`` statistics. on_done(generated token ids)
-    runs after the last item (llama-cpp-python's prompt cache stores its state there)."""
+    """The stream of one completion from its ``GenerationResponse`` items: with ``echo``, a start chunk with
+    the prompt once the first token is sampled; one chunk per text piece (with the logprobs of the tokens it
+    completes), as llama-cpp-python streams them; a final chunk with the finish reason and the ``"epikv"``
+    statistics. on_done(generated token ids) runs after the last item (llama-cpp-python's prompt cache stores
+    its state there)."""
     cid, created = responses.new_id(), int(time.time())
-    first, n_chars, generated = True, 0, []
+    first, n_chars, generated = bool(echo_text), 0, []
     for r in items:
-        if first:  # the prompt is in the cache and the first token sampled: the stream starts
+        if first:  # the prompt is in the cache and the first token sampled: the stream starts with the echo
             yield ChunkStep(responses.completion_chunk(cid, created, model_name, echo_text), r.stats)
             first = False
         if r.generated:

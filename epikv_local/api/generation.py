@@ -217,8 +217,10 @@ class _Thinking:
 
 
 class _Text:
-    """Incremental detokenization with stop strings: UTF-8 bytes in, safe text out (text that could still be
-    the start of a stop string is held back until it cannot)."""
+    """Incremental detokenization with stop strings, handed out as llama-cpp-python streams it: UTF-8 bytes in
+    (one token at a time), text out by whole tokens (a token that ends inside a character waits for the ones
+    that complete it); tokens are held back while the text not yet handed out ends with the beginning of a
+    stop string, until it cannot be one."""
 
     def __init__(self, stop: tuple[str, ...]):
         self.stop = stop
@@ -226,6 +228,7 @@ class _Text:
         self.pending = b""
         self.text = ""
         self.emitted = 0  # characters of text already handed out
+        self._ends: deque[int] = deque()  # where the text of each token not yet handed out ends
 
     def add(self, data: bytes) -> tuple[str, bool]:
         """(new safe text, whether a stop string completed: the text then ends before it)."""
@@ -236,7 +239,10 @@ class _Text:
             piece = ""
             if len(self.pending) > 8:  # not a character in the making: invalid bytes
                 piece, self.pending = self.pending.decode("utf-8", "replace"), b""
+        if not piece:
+            return "", False
         self.text += piece
+        self._ends.append(len(self.text))
         # a stop string can only end inside the new piece: search the tail, not the whole text
         tail0 = max(0, len(self.text) - len(piece) - self.hold)
         cut = min((k for k in (self.text.find(s, tail0) for s in self.stop) if k >= 0), default=-1)
@@ -244,15 +250,22 @@ class _Text:
             out = self.text[self.emitted:cut] if cut > self.emitted else ""
             self.emitted = max(self.emitted, cut)
             return out, True
-        safe = len(self.text) - self.hold + 1 if self.hold else len(self.text)
-        if safe > self.emitted:
-            out, self.emitted = self.text[self.emitted:safe], safe
-            return out, False
-        return "", False
+        rest = self.text[self.emitted:]
+        held = max((i for s in self.stop for i in range(min(len(s), len(rest)), 0, -1) if rest.endswith(s[:i])),
+                   default=0)
+        end = self.emitted
+        while self._ends and self._ends[0] <= len(self.text) - held:
+            end = self._ends.popleft()
+        out, self.emitted = self.text[self.emitted:end], end
+        return out, False
 
     def flush(self) -> str:
-        """The text held back (at the end of a generation that no stop string ended)."""
-        out, self.emitted = self.text[self.emitted:], len(self.text)
+        """The text held back (at the end of a generation that no stop string ended), with the characters of
+        an unfinished last token before its incomplete one (whose bytes are dropped, as llama-cpp-python's
+        ``errors="ignore"`` does)."""
+        out, self.emitted = self.text[self.emitted:] + self.pending.decode("utf-8", "ignore"), len(self.text)
+        self.pending = b""
+        self._ends.clear()
         return out
 
 

@@ -175,6 +175,8 @@ class Llama(LlamaExtras, Closing):
                                                     rpc_servers=rpc_servers))
             self._session = stack.enter_context(spec.open(self._model))
             self._stack = stack.pop_all()
+        if max_prompt_tokens is not None:
+            self._model.max_piece_bytes()  # once, now rather than in the first request
         self.chat_format, self.chat_handler = self._chat_handler(chat_format, chat_handler)
 
     # -- construction helpers ----------------------------------------------------------------------------------
@@ -229,6 +231,16 @@ class Llama(LlamaExtras, Closing):
             raise ConfigError(f"tokenize takes bytes or str, got {type(text).__name__}")
         self.session
         return self._model.tokenize(text.decode("utf-8", "replace"), add_special=add_bos, parse_special=special)
+
+    def check_prompt_bytes(self, n_bytes: int) -> None:
+        """ConfigError when a prompt of ``n_bytes`` UTF-8 bytes must have more than ``max_prompt_tokens`` tokens
+        (``Model.max_piece_bytes``: at least n_bytes / the longest piece), told before tokenizing it: tokenizing
+        megabytes is seconds of work that no cancel can interrupt."""
+        longest = self._open_model.max_piece_bytes() if self.max_prompt_tokens is not None else None
+        if longest and n_bytes > self.max_prompt_tokens * longest:
+            raise ConfigError(f"the prompt of {n_bytes} bytes has at least {-(-n_bytes // longest)} tokens (no token "
+                              f"is longer than {longest} bytes), over the limit of {self.max_prompt_tokens} "
+                              "(max_prompt_tokens)")
 
     def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
         """Token ids -> UTF-8 bytes, as ``llama_cpp.Llama.detokenize``."""
@@ -358,7 +370,9 @@ class Llama(LlamaExtras, Closing):
         if suffix is None:
             if text is None:
                 return list(prompt), None
-            return (self.tokenize(utf8(text, "prompt"), add_bos=True, special=True) if text else []), text
+            data = utf8(text, "prompt")
+            self.check_prompt_bytes(len(data))
+            return (self.tokenize(data, add_bos=True, special=True) if text else []), text
         if not isinstance(suffix, str):
             raise ConfigError(f"suffix must be a string, got {type(suffix).__name__}")
         fim = self._fim_tokens()

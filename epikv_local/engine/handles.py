@@ -374,6 +374,24 @@ class Model(_Owned):
         return list(arr[:n])
 
     @native_call
+    def max_piece_bytes(self) -> int | None:
+        """The longest piece of any token (bytes, special tokens included; computed once, about a second for a
+        150k vocabulary), or None for a vocabulary (WPM, UGM) where one token may stand for a longer text (an
+        unknown word). A text of B bytes tokenizes to at least B / this many tokens, so a prompt over a token
+        limit can be refused without tokenizing it (tokenizing megabytes is seconds of uninterruptible work)."""
+        if not hasattr(self, "_max_piece"):
+            ll = self.nat.llama
+            if int(ll.llama_vocab_type(self.vocab)) not in (ll.LLAMA_VOCAB_TYPE_SPM, ll.LLAMA_VOCAB_TYPE_BPE):
+                self._max_piece = None
+            else:
+                buf, longest = ctypes.create_string_buffer(256), 1
+                for token in range(self.info.n_vocab):
+                    n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+                    longest = max(longest, n if n >= 0 else -n)  # -n: the piece needs n bytes
+                self._max_piece = longest
+        return self._max_piece
+
+    @native_call
     def token_bytes(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token's piece (may be a partial UTF-8 sequence)."""
         buf = ctypes.create_string_buffer(64)

@@ -262,3 +262,40 @@ def test_row18_sigterm_while_streaming_ends_with_shutting_down_then_done(model_p
     err = json.loads(data[-2])
     assert set(err) == {"error"} and err["error"]["code"] == "shutting_down", data[-3:]
     assert s.stop_seconds < SHUTDOWN_GRACE_S and "Traceback" not in log, log
+
+
+#: a chat turn of special tokens repeated to nearly the default body limit (3.9 MB, 770,000 tokens): seconds of
+#: tokenization, which no cancel can interrupt (one llama_tokenize call)
+SPECIAL_TURNS = "<|im_start|>user\nhi there<|im_end|>\n" * 108_000
+HUGE_CHAT = {"messages": [{"role": "user", "content": SPECIAL_TURNS}], "max_tokens": 1}
+
+
+def test_row4_a_huge_prompt_is_refused_before_it_is_tokenized(model_path):
+    """Over the prompt-token limit by its size alone (no token is longer than the longest piece): 400 at once,
+    and the model never held; the next request is served."""
+    with serving(model_path) as s:
+        t0 = time.monotonic()
+        err = assert_openai_error(*http("POST", s.base + "/v1/chat/completions", HUGE_CHAT), 400)
+        took = time.monotonic() - t0
+        health = s.health()
+        status, _ = short(s)
+    assert err["code"] == "context_length_exceeded" and "bytes has at least" in err["message"], err
+    assert health["served"] == 0 and status == 200
+    assert took < PROMPTLY_S, took  # tokenizing it takes longer than that here (7.8 s measured on 2 cores)
+
+
+def test_row5_sigterm_during_a_long_tokenization_ends_within_the_grace_period(model_path):
+    """With the prompt limit raised so that the 3.9 MB prompt is tokenized: SIGTERM during that native call
+    still ends the server within its grace period (it exits without waiting for the call)."""
+    with serving(model_path, "--max-prompt-tokens", "1000000") as s:
+        sock = raw_request(s.port, "/v1/chat/completions", HUGE_CHAT)
+        try:
+            wait_until(lambda: s.health()["busy"], 60, "the request to hold the model")
+            time.sleep(0.3)
+            assert s.stop() == 0
+            answer, log = sock.recv(65536), s.stderr()
+        finally:
+            sock.close()
+    assert s.stop_seconds < SHUTDOWN_GRACE_S, s.stop_seconds
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 503"), answer[:300]
+    assert "Traceback" not in log and "CancelledError" not in log, log

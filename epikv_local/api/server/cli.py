@@ -6,7 +6,9 @@ its parser.
 """
 
 import ipaddress
+import os
 import sys
+import time
 
 from ...errors import ConfigError
 from . import limits as L
@@ -17,6 +19,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 #: seconds a shutdown waits for requests in flight before cancelling them (a generation stops at its next token)
 SHUTDOWN_GRACE_S = 5
+#: seconds of the grace period kept for closing the Llama after uvicorn has finished its requests
+CLOSE_GRACE_S = 1
+#: seconds before the end of the grace period by which the server has closed or given up waiting (then exits)
+EXIT_MARGIN_S = 0.5
 #: the kernel send buffer of each connection (bytes; Linux doubles it). Fixed rather than autotuned (up to MBs),
 #: so that a client that reads nothing fills it, and is dropped after --stall-seconds, within a few hundred
 #: tokens; it is still far more than a stream needs in flight
@@ -141,9 +147,12 @@ def _serve(uvicorn, app, sock, banner: str, verbose: bool) -> None:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGINT / SIGTERM: generations stop, a prefill at its next chunk
+            if service.stop_deadline is None:  # the first signal: the grace period starts now
+                service.stop_deadline = time.monotonic() + SHUTDOWN_GRACE_S - EXIT_MARGIN_S
             service.stopping = True
-            if loop:  # a signal handler: the job is stopped from the event loop, not from here
-                loop[0].call_soon_threadsafe(service.shutdown)
+            if loop:  # a signal handler: the job is stopped from the event loop, not from here; a request still
+                # waiting for its thread when uvicorn's part of the grace ends is answered without it
+                loop[0].call_soon_threadsafe(service.shutdown, service.stop_deadline - CLOSE_GRACE_S)
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
@@ -152,9 +161,24 @@ def _serve(uvicorn, app, sock, banner: str, verbose: bool) -> None:
             if not self.should_exit:
                 print(banner, file=sys.stderr, flush=True)
 
+    # uvicorn's part of the grace period; the rest is for the Llama to close (run's finally)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
-                            lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+                            lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S - CLOSE_GRACE_S)
     Server(config).run(sockets=[sock])
+
+
+def _exit_now(status: int) -> None:
+    """End the process at once: one native call (tokenizing megabytes) is still inside the model after the
+    grace period and cannot be interrupted. Nothing is left half-written (the server writes no files); the
+    operating system frees the model's memory."""
+    print(f"epikv-local: a request was still inside the model after the {SHUTDOWN_GRACE_S} s grace period; "
+          "exiting without waiting for it", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def run(args) -> int:
@@ -192,10 +216,12 @@ def run(args) -> int:
                              check_host=is_loopback(args.host), share_prompt_cache=args.share_prompt_cache)
             _serve(uvicorn, app, sock, f"epikv-local: serving {alias} on {_url(sock)}", args.verbose)
         finally:
-            if app is not None:
-                app.state.epikv.close()  # after a generation thread still inside the Llama stops
-            else:
+            if app is None:
                 llama.close()
+            else:  # after a generation thread still inside the Llama stops, within what is left of the grace
+                deadline = app.state.epikv.stop_deadline
+                if not app.state.epikv.close(timeout=None if deadline is None else deadline - time.monotonic()):
+                    _exit_now(130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 0)
     finally:
         sock.close()
         signal.signal(signal.SIGTERM, previous)

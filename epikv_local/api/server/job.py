@@ -14,6 +14,7 @@ Importing this module loads nothing but the standard library (asyncio when a job
 """
 
 import threading
+import time
 
 from ...errors import CancelledError
 
@@ -53,6 +54,7 @@ class Job:
         self.finished = self.loop.create_future()  # the generation's stats, once the thread is done
         self.stats = None
         self._deadline = None
+        self.abandoned = False  # the reader gave up on the thread (a shutdown's grace period ran out)
 
     def start(self, open_stream, max_seconds: float | None = None, timeout_error=None) -> None:
         """Run ``open_stream()`` (-> an iterator of ``ChunkStep``s: a chunk and the generation's statistics as
@@ -71,6 +73,19 @@ class Job:
         if self._canceller is None and not self._out.is_set():
             self._canceller = threading.Thread(target=self._cancel_until_out, name="epikv-cancel", daemon=True)
             self._canceller.start()
+
+    def abandon_at(self, deadline: float) -> None:
+        """From the event loop, at a shutdown: if the thread is still inside the Llama at ``deadline``
+        (monotonic seconds), stop waiting for it: the reader gets the stop error at once, :meth:`finish`
+        returns None. Only one native call (tokenizing megabytes) outlasts a cancel; the server exits anyway."""
+        def give_up():
+            if not self._out.is_set():
+                self.abandoned = True
+                self.queue.put_nowait((self._stop_error(), False))
+                if not self.finished.done():
+                    self.finished.set_result(None)
+
+        self.loop.call_later(max(0.0, deadline - time.monotonic()), give_up)
 
     def _cancel_until_out(self) -> None:
         while True:
@@ -155,7 +170,8 @@ class Job:
         return item
 
     async def finish(self):
-        """Stop the generation (if still running) and wait until the model is free; returns its statistics."""
+        """Stop the generation (if still running) and wait until the model is free; returns its statistics (None
+        once :meth:`abandon_at` gave up on the thread)."""
         import asyncio
 
         self.stop()

@@ -49,6 +49,7 @@ class Service:
         self._borrowers = threading.Condition()  # short calls (tokenize) that use the model beside a generation
         self._n_borrowers = 0
         self.stopping = False  # set on SIGINT / SIGTERM: running generations stop, new requests get 503
+        self.stop_deadline: float | None = None  # set with it: when waiting for a generation thread ends (monotonic)
         self.n_served = 0
         self.n_cancelled = 0
         self.tokens_generated = 0
@@ -132,13 +133,16 @@ class Service:
                 self.llama.reset()
             self._cache_owner = identity
 
-    def shutdown(self) -> None:
+    def shutdown(self, abandon_at: float | None = None) -> None:
         """Begin shutting down (from any thread): new requests get 503, the running generation is stopped,
-        inside a prefill too."""
+        inside a prefill too. ``abandon_at`` (from the event loop only; monotonic seconds): when the request
+        stops waiting for a generation thread still inside the Llama (see ``Job.abandon_at``)."""
         self.stopping = True
         job = self.running
         if job is not None:
             job.stop(self.shutdown_error())
+            if abandon_at is not None:
+                job.abandon_at(abandon_at)
 
     # -- short calls beside a generation, and the end ------------------------------------------------------
     @contextlib.contextmanager
@@ -155,11 +159,21 @@ class Service:
                 self._n_borrowers -= 1
                 self._borrowers.notify_all()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
         """Close the Llama once no generation or short call is inside it (a running generation stops at its next
-        step, a prefill at its next chunk)."""
+        step, a prefill at its next chunk). ``timeout``: seconds to wait for that at most (None: no limit).
+        False when a call was still inside the model at the end: one native call (a tokenization of megabytes)
+        cannot be interrupted, and the Llama is left open (the caller exits the process without freeing it)."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        left = (lambda: None) if deadline is None else (lambda: max(0.0, deadline - time.monotonic()))
         self.shutdown()
         with self._borrowers:
-            self._borrowers.wait_for(lambda: self._n_borrowers == 0)
-        with self.busy_lock:
+            if not self._borrowers.wait_for(lambda: self._n_borrowers == 0, timeout=left()):
+                return False
+        if not self.busy_lock.acquire(timeout=-1 if deadline is None else left()):
+            return False
+        try:
             self.llama.close()
+        finally:
+            self.busy_lock.release()
+        return True
