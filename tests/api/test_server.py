@@ -438,3 +438,58 @@ def test_row14_models_and_props_do_not_show_the_models_directory(server, model_p
         req = urllib.request.urlopen(server.base + path, timeout=60)
         text = req.read().decode()
         assert str(model_path.parent) not in text and model_path.parent.name not in text, (path, text[:300])
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"]}}}
+
+
+def test_itemA_json_mode_and_tools_through_the_openai_client(server):
+    """What agents and chat UIs send: JSON mode, a JSON schema and a named tool choice, through the real client."""
+    client = server.client()
+    r = chat(client, "gpt-4o", messages=[{"role": "user", "content": "Give me a JSON object with a name."}],
+             max_tokens=48, response_format={"type": "json_object"})
+    text = r.choices[0].message.content  # the grammar holds it to JSON; 48 tokens may end it early
+    assert text.lstrip()[:1] in "{[" and (r.choices[0].finish_reason == "length" or json.loads(text) is not None), text
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "maximum": 1000}}, "required": ["answer"],
+              "additionalProperties": False}
+    r = chat(client, "m", messages=[{"role": "user", "content": "What is 2+2? Answer in JSON."}], max_tokens=32,
+             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert isinstance(json.loads(r.choices[0].message.content)["answer"], int)
+    r = chat(client, "m", messages=[{"role": "user", "content": "What is the weather in Oslo?"}], max_tokens=48,
+             tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    # the conversation goes on with the tool's answer, as an agent sends it (assistant content null)
+    follow = chat(client, "m", max_tokens=8, messages=[
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 20 C"}])
+    assert follow.choices[0].message.role == "assistant"
+
+
+def test_itemA_reasoning_budget_flag_bounds_the_thinking(model_path):
+    """--reasoning-budget N: after N reasoning tokens the closing tag is forced (a prompt that opens thinking)."""
+    with serving(model_path, "--reasoning-budget", "4") as s:
+        status, body = http("POST", s.base + "/v1/completions", {
+            "prompt": "<|im_start|>user\nWhat is 6 times 7?<|im_end|>\n<|im_start|>assistant\n<think>\n",
+            "max_tokens": 24, "temperature": 0})
+    assert status == 200, body
+    text = body["choices"][0]["text"]
+    assert "</think>" in text, text
+
+
+def test_itemA_streamed_tool_calls_follow_openai(server):
+    """A streamed tool call sends its id, type and name once (clients join the deltas' strings), and the openai
+    client's joined call equals the non-streamed one."""
+    client = server.client()
+    kw = dict(messages=[{"role": "user", "content": "What is the weather in Oslo?"}], max_tokens=48,
+              tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = chat(client, "m", **kw).choices[0].message.tool_calls[0]
+    names, args = [], ""
+    for ch in chat(client, "m", stream=True, **kw):
+        for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            if d.function and d.function.name:
+                names.append(d.function.name)
+            args += (d.function.arguments or "") if d.function else ""
+    assert names == ["get_weather"] and args == whole.function.arguments

@@ -21,15 +21,16 @@ def _usage(stats) -> dict:
 
 
 def _merge_tool_calls(calls: dict, deltas) -> None:
-    """Add streamed ``tool_calls`` deltas to ``calls`` ({index: call}): ids, types and names are set once,
-    the arguments' pieces are joined."""
+    """Add the Llama's streamed ``tool_calls`` deltas to ``calls`` ({index: call}): ids, types and names are set
+    by the first delta that has them (llama-cpp-python's handlers repeat them in every delta; OpenAI sends them
+    once), the arguments' pieces are joined."""
     for d in deltas or ():
         call = calls.setdefault(d.get("index", len(calls)), {"id": None, "type": "function",
                                                              "function": {"name": "", "arguments": ""}})
         call["id"] = d.get("id") or call["id"]
         call["type"] = d.get("type") or call["type"]
         fn = d.get("function") or {}
-        call["function"]["name"] += fn.get("name") or ""
+        call["function"]["name"] = call["function"]["name"] or fn.get("name") or ""
         call["function"]["arguments"] += fn.get("arguments") or ""
 
 

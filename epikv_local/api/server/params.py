@@ -42,6 +42,9 @@ class ChatRequest(CreateChatCompletionRequest):
     # the messages are checked by check_chat_messages and the Llama (naming the index); pydantic's union of
     # message TypedDicts would answer a wrong content type with a list of role mismatches
     messages: list[dict[str, Any]] = Field(default_factory=list, description="the conversation")
+    # OpenAI's {"type": "json_schema", "json_schema": {...}} too (llama-cpp-python's model allows text and
+    # json_object only); the Llama checks it and names what is wrong
+    response_format: dict[str, Any] | None = Field(None, description="text, json_object or json_schema")
     max_completion_tokens: int | None = Field(None, description="tokens to generate at most (wins over max_tokens)")
     stream_options: StreamOptions | None = None
 

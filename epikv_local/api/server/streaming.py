@@ -147,7 +147,7 @@ async def events(service: Service, request: Request, job: Job, usage_chunk=None)
     """The job's chunks as server-sent events (``{"data": json}``), then ``[DONE]``; an error once the response
     has started (a Llama error, a shutdown, a limit) is the last event before ``[DONE]``, in OpenAI's shape."""
     try:
-        last = None
+        last, calls_seen = None, set()
         while True:
             try:
                 chunk = await job.get()
@@ -159,7 +159,7 @@ async def events(service: Service, request: Request, job: Job, usage_chunk=None)
                     yield {"data": json.dumps(usage_chunk(last, await job.finish()))}
                 break
             last = chunk
-            yield {"data": json.dumps(chunk)}
+            yield {"data": json.dumps(openai_tool_deltas(chunk, calls_seen))}
             if service.stopping:
                 yield _error_event(service.shutdown_error())
                 break
@@ -168,6 +168,32 @@ async def events(service: Service, request: Request, job: Job, usage_chunk=None)
         yield {"data": "[DONE]"}
     finally:
         await job.finish()
+
+
+def openai_tool_deltas(chunk: dict, seen: set) -> dict:
+    """``chunk`` with each tool call's ``id``, ``type`` and function ``name`` in its first delta only, as OpenAI
+    streams them (clients join the deltas' strings); llama-cpp-python's chat handlers repeat them in every delta.
+    ``seen``: the tool-call indexes already sent in this stream (updated)."""
+    choices = chunk.get("choices") or ()
+    deltas = [(c.get("delta") or {}).get("tool_calls") for c in choices if isinstance(c, dict)]
+    if not any(deltas):
+        return chunk
+    out = {**chunk, "choices": []}
+    for c in choices:
+        calls = (c.get("delta") or {}).get("tool_calls")
+        if calls:
+            fixed = []
+            for d in calls:
+                i = d.get("index", 0)
+                if i in seen:
+                    d = {k: v for k, v in d.items() if k not in ("id", "type")}
+                    if isinstance(d.get("function"), dict):
+                        d["function"] = {k: v for k, v in d["function"].items() if k != "name"}
+                seen.add(i)
+                fixed.append(d)
+            c = {**c, "delta": {**c["delta"], "tool_calls": fixed}}
+        out["choices"].append(c)
+    return out
 
 
 class JobEventSource(EventSourceResponse):
