@@ -60,3 +60,24 @@ def test_help(script):
     r = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
     assert r.returncode == 0 and "usage:" in r.stdout
+
+
+def test_accuracy_bench_runs_resumes_and_merges(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"id": f"p{i}", "split": "dev", "question": f"What is {i} plus 3?", "answer": str(i + 3),
+             "solution": ""} for i in range(2)]
+    (data / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records, out = tmp_path / "r.jsonl", tmp_path / "a.json"
+    args = ("bench_accuracy.py", "--data", data, "--policies", "streaming", "--budgets", "160", "--max-tokens",
+            "48", "--records", records, "--out", out)
+    d = run(*args)
+    assert set(d["settings"]) == {"full/protected", "streaming@160/protected"}
+    lines = records.read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    assert len(recs) == 4 and all(r["max_live_cells"] <= 160 for r in recs if r["budget"] == 160)
+    assert all(r["n_evicted"] == 0 for r in recs if r["budget"] is None)
+    s = d["settings"]["streaming@160/protected"]
+    assert s["n"] == 2 and s["vs_full"]["n"] == 2 and 0 <= s["accuracy"] <= 1
+    run(*args)  # resumed: every pair is done, nothing is added
+    assert len(records.read_text().splitlines()) == 4

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Accuracy under a KV budget: greedy answers of GSM8K / MATH problems through ``epikv_local.Llama``, graded by
+``epikv_local.eval.accuracy``, for a full cache and for each policy × budget, with paired comparisons.
+
+Each (setting, problem) is one chat turn on a fresh conversation (``Llama.reset()``): the problem with
+"Please reason step by step, and put your final answer within \\boxed{}.", temperature 0, ``--max-tokens``.
+A setting is ``full`` (policy ``none``, a cache that holds everything) or ``POLICY@BUDGET``; ``--prompt
+counted`` counts the prompt against the budget (the papers' setting) instead of protecting it (the product's
+default). Outcomes are appended to ``--records`` (JSONL, one line per setting and problem) as they come, so a
+run can be stopped, resumed (done pairs are skipped) and split over machines; ``--merge`` summarises records:
+per setting accuracy, mean generated tokens, the share of empty and of looping outputs, evictions, and exact
+McNemar tests with paired-bootstrap CIs against ``full`` and against ``streaming`` at the same budget.
+
+    python scripts/bench_accuracy.py -m MODEL --task gsm8k --split test --limit 40 \\
+        --policies streaming,epikv,keydiff --budgets 128,192 --records results/accuracy_gsm8k.jsonl
+    python scripts/bench_accuracy.py --merge --records results/accuracy_gsm8k.jsonl --out results/accuracy_gsm8k.json
+
+Data: ``../shared/data`` (``--data``): gsm8k_test.jsonl (``split`` dev / test) and math500.jsonl (``--levels``).
+Tune (choose budgets) on ``--split dev`` only; ``test`` is for reported results.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import ROOT, ArgParser, log, provenance, run_or_merge, save_json  # noqa: E402
+
+PROG = "bench_accuracy"
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+#: the full cache's budget beyond prompt + max_tokens (cells): nothing is ever evicted
+FULL_SLACK = 64
+
+
+def load_problems(data: Path, task: str, split: str, levels: list[int], offset: int, limit: int | None) -> list[dict]:
+    """[{"id", "question", "gold", "numeric"}] of the task, in file order."""
+    from epikv_local.errors import ConfigError
+
+    if task == "gsm8k":
+        path = data / "gsm8k_test.jsonl"
+        rows = [r for r in _jsonl(path) if r["split"] == split]
+        out = [{"id": r["id"], "question": r["question"], "gold": r["answer"], "numeric": True} for r in rows]
+    elif task == "math":
+        if split != "test":
+            raise ConfigError("MATH-500 has one split (test): give --split test")
+        rows = [r for r in _jsonl(data / "math500.jsonl") if r["level"] in levels]
+        out = [{"id": r["unique_id"], "question": r["problem"], "gold": r["answer"], "numeric": False} for r in rows]
+    else:
+        raise ConfigError(f"unknown task {task!r}: gsm8k or math")
+    return out[offset:offset + limit if limit else None]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    from epikv_local.errors import ConfigError
+
+    if not path.exists():
+        raise ConfigError(f"{path} not found (--data names the folder of the shared evaluation data)")
+    return [json.loads(line) for line in path.open(encoding="utf-8") if line.strip()]
+
+
+def settings_of(policies: list[str], budgets: list[int], with_full: bool) -> list[tuple[str, str, int | None]]:
+    """[(name, policy, budget)]: ``full`` first, then each policy at each budget."""
+    out = [("full", "none", None)] if with_full else []
+    return out + [(f"{p}@{b}", p, b) for b in budgets for p in policies]
+
+
+def done_pairs(records: Path) -> set[tuple[str, str]]:
+    if not records.exists():
+        return set()
+    return {(r["setting"], r["id"]) for r in map(json.loads, records.open()) if r.get("setting")}
+
+
+def run(args) -> int:
+    from epikv_local.api.llama import Llama
+    from epikv_local.errors import ConfigError
+    from epikv_local.eval.accuracy import grade
+
+    from epikv_local.api.models import default_model_path
+
+    model = args.model or str(default_model_path())
+    problems = load_problems(Path(args.data), args.task, args.split, args.levels, args.offset, args.limit)
+    if not problems:
+        raise ConfigError("no problems selected (check --task, --split, --levels, --offset, --limit)")
+    records = Path(args.records)
+    records.parent.mkdir(parents=True, exist_ok=True)
+    done = done_pairs(records)
+    protect = args.prompt == "protected"
+    for name, policy, budget in settings_of(args.policies, args.budgets, not args.no_full):
+        todo = [p for p in problems if (f"{name}/{args.prompt}", p["id"]) not in done]
+        if not todo:
+            continue
+        kv_budget = budget if budget is not None else args.full_budget
+        log(f"{name} ({args.prompt} prompt): {len(todo)} problems")
+        with Llama(model_path=model, kv_budget=kv_budget, kv_policy=policy, protect_prompt=protect,
+                   n_threads=args.threads, seed=0, verbose=False,
+                   flash_attn=policy not in ("h2o", "tova", "snapkv", "rkv")) as llm:
+            for p in todo:
+                llm.reset()
+                t0 = time.perf_counter()
+                out = llm.create_chat_completion(
+                    messages=[{"role": "user", "content": f"{p['question']}\n{INSTRUCTION}"}],
+                    temperature=0, max_tokens=args.max_tokens)
+                msg = out["choices"][0]["message"]
+                text = (msg.get("reasoning_content") or "") + (msg.get("content") or "")
+                g = grade(text, p["gold"], p["numeric"])
+                ext = out["epikv"]
+                if budget is None and ext["n_evicted"]:
+                    raise ConfigError(f"the full cache evicted {ext['n_evicted']} cells: raise --full-budget")
+                rec = {"setting": f"{name}/{args.prompt}", "policy": policy, "budget": budget,
+                       "prompt": args.prompt, "id": p["id"], "gold": p["gold"], "answer": g.answer,
+                       "correct": g.correct, "empty": g.empty, "looping": g.looping,
+                       "n_prompt": out["usage"]["prompt_tokens"], "n_generated": out["usage"]["completion_tokens"],
+                       "finish_reason": out["choices"][0]["finish_reason"], "n_evicted": ext["n_evicted"],
+                       "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2),
+                       "text": text if args.keep_text else None}
+                with records.open("a", encoding="utf-8") as f:  # one whole line per outcome: resumable
+                    f.write(json.dumps(rec) + "\n")
+                log(f"  {p['id']}: {'right' if g.correct else 'wrong'} ({g.answer!r:.30} vs {p['gold']!r:.30}), "
+                    f"{rec['n_generated']} tokens, {rec['n_evicted']} evicted, {rec['seconds']} s")
+    return merge(args) if args.out else 0
+
+
+def merge(args) -> int:
+    from epikv_local.errors import ConfigError
+    from epikv_local.eval.accuracy import mcnemar, paired_bootstrap
+
+    records = Path(args.records)
+    if not records.exists():
+        raise ConfigError(f"{records} not found")
+    rows = [json.loads(line) for line in records.open() if line.strip()]
+    by: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by.setdefault(r["setting"], {})[r["id"]] = r
+    summary = {}
+    for name, recs in sorted(by.items()):
+        n = len(recs)
+        rs = list(recs.values())
+        summary[name] = {"n": n, "accuracy": sum(r["correct"] for r in rs) / n,
+                         "mean_generated": sum(r["n_generated"] for r in rs) / n,
+                         "empty_share": sum(r["empty"] for r in rs) / n,
+                         "looping_share": sum(r["looping"] for r in rs) / n,
+                         "mean_evicted": sum(r["n_evicted"] for r in rs) / n,
+                         "policy": rs[0]["policy"], "budget": rs[0]["budget"], "prompt": rs[0]["prompt"]}
+
+    def compare(a: str, b: str) -> dict | None:
+        ids = sorted(set(by.get(a, {})) & set(by.get(b, {})))
+        if not ids:
+            return None
+        x = [by[a][i]["correct"] for i in ids]
+        y = [by[b][i]["correct"] for i in ids]
+        d, lo, hi = paired_bootstrap(x, y)
+        return {"n": len(ids), **mcnemar(x, y), "difference": d, "ci95": [lo, hi]}
+
+    for name, s in summary.items():
+        full = next((k for k in by if k.startswith("full/")), None)
+        s["vs_full"] = compare(name, full) if full and name != full else None
+        ref = f"streaming@{s['budget']}/{s['prompt']}"
+        s["vs_streaming"] = compare(name, ref) if s["budget"] is not None and name != ref and ref in by else None
+    doc = {**provenance("bench_accuracy.py", None), "records": str(records.relative_to(ROOT)) if
+           records.resolve().is_relative_to(ROOT) else records.name, "settings": summary}
+    save_json(args.out, doc)
+    def cell(c: dict | None) -> str:
+        return f"{c['difference']:+.1%} ({c['p']:.2f})" if c else "-"
+
+    print(f"{'setting':32} {'n':>4} {'acc':>6} {'gen':>6} {'loop':>5} {'vs full (p)':>16} {'vs streaming (p)':>18}")
+    for name, s in summary.items():
+        print(f"{name:32} {s['n']:4d} {s['accuracy']:6.1%} {s['mean_generated']:6.0f} {s['looping_share']:5.0%} "
+              f"{cell(s['vs_full']):>16} {cell(s['vs_streaming']):>18}")
+    return 0
+
+
+def parser() -> ArgParser:
+    p = ArgParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", "--model", help="GGUF model (default: the default model; for results, the path "
+                   "../shared/models/fetch.sh qwen2.5-coder-0.5b prints)")
+    p.add_argument("--task", choices=["gsm8k", "math"], default="gsm8k")
+    p.add_argument("--split", choices=["dev", "test"], default="dev", help="GSM8K split (MATH-500: test)")
+    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3],
+                   help="MATH levels (default 1,2,3)")
+    p.add_argument("--offset", type=int, default=0, help="skip the first N problems of the split")
+    p.add_argument("--limit", type=int, default=None, help="at most N problems")
+    p.add_argument("--policies", type=lambda s: [x for x in s.split(",") if x], default=["streaming", "epikv"])
+    p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",") if x], default=[192])
+    p.add_argument("--prompt", choices=["protected", "counted"], default="protected",
+                   help="protected: the prompt is kept outside the eviction (the product's default); counted: it "
+                        "counts against the budget (the papers' setting)")
+    p.add_argument("--no-full", action="store_true", help="skip the full-cache setting")
+    p.add_argument("--full-budget", type=int, default=4096, help="the full cache's cells (nothing evicted)")
+    p.add_argument("--max-tokens", type=int, default=400)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--keep-text", action="store_true", help="store each output's text in the records")
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--records", required=True, help="JSONL of outcomes (appended; resumable)")
+    p.add_argument("--out", help="the summary JSON (also written after a run)")
+    p.add_argument("--merge", action="store_true", help="summarise --records only")
+    return p
+
+
+def main(argv=None) -> int:
+    return run_or_merge(PROG, parser(), run, merge, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

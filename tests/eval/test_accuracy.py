@@ -1,0 +1,84 @@
+"""The answer extractor and grader (eval/accuracy.py) on hand-written outputs and, where the shared data is
+present, on the reference solutions of GSM8K and MATH-500 (each solution must grade as right against its own
+answer); the paired statistics against known values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from epikv_local.eval.accuracy import extract_answer, grade, is_looping, mcnemar, normalize, paired_bootstrap
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+@pytest.mark.parametrize("text,gold", [
+    ("So she makes 9 * 2 = $18 every day.\n#### 18", "18"),
+    ("The answer is 1,234 apples.", "1234"),
+    ("<think>maybe 7? no, 8</think>The final answer is: $\\boxed{8}$.", "8"),
+    ("Total: 3 + 4 = 7. So the answer is 7.", "7"),
+    ("He pays 12.50 dollars, then 2.5 more: 15", "15"),
+    ("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}"),
+    ("\\boxed{0.5}", "\\frac12"),
+    ("We get $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$.", "\\left( 3, \\frac{\\pi}{2} \\right)"),
+    ("\\boxed{x = 5}", "5"),
+    ("\\boxed{90^\\circ}", "90"),
+    ("\\boxed{\\text{(C)}}", "\\text{(C)}"),
+    ("\\boxed{10\\%}", "10"),
+])
+def test_right_answers_grade_right(text, gold):
+    g = grade(text, gold, numeric=gold.lstrip("-").replace(".", "").isdigit())
+    assert g.correct, (g, normalize(gold))
+
+
+@pytest.mark.parametrize("text,gold", [
+    ("#### 17", "18"), ("The answer is 1,235.", "1234"), ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}"),
+    ("no number here", "5"), ("", "5"), ("\\boxed{2", "2"), ("\\boxed{(3, 2)}", "(2, 3)"),
+    ("<think>the answer is 8</think>I am not sure.", "8"),
+])
+def test_wrong_or_missing_answers_grade_wrong(text, gold):
+    assert not grade(text, gold, numeric=False).correct
+
+
+def test_the_last_box_and_the_text_after_thinking_count():
+    assert extract_answer("\\boxed{1} then \\boxed{{2}}", numeric=False) == "{2}"
+    assert extract_answer("<think>\\boxed{4}</think> so 5", numeric=True) == "5"
+    assert extract_answer("1 2 3", numeric=True) == "3" and extract_answer("1 2 3", numeric=False) is None
+
+
+def test_empty_and_looping_outputs_are_told():
+    assert grade("   ", "1", True).empty
+    loop = "Let me check again. " * 80
+    assert is_looping(loop) and grade(loop, "1", True).looping
+    prose = " ".join(f"step {i} adds {i * 7 % 11} to the total of {i * i}" for i in range(120))
+    assert not is_looping(prose)
+
+
+def test_mcnemar_and_paired_bootstrap():
+    assert mcnemar([True] * 10, [True] * 10) == {"a_only": 0, "b_only": 0, "p": 1.0}
+    # 10 discordant pairs all one way: p = 2 / 2^10
+    r = mcnemar([True] * 10 + [False] * 5, [False] * 10 + [False] * 5)
+    assert (r["a_only"], r["b_only"]) == (10, 0) and r["p"] == pytest.approx(2 / 1024)
+    r = mcnemar([True, False] * 5, [False, True] * 5)
+    assert r["p"] == pytest.approx(1.0)
+    d, lo, hi = paired_bootstrap([True] * 30 + [False] * 10, [True] * 10 + [False] * 30)
+    assert d == pytest.approx(0.5) and 0.2 < lo < d < hi < 0.8
+    with pytest.raises(ValueError):
+        mcnemar([True], [True, False])
+
+
+@pytest.mark.skipif(not (DATA / "gsm8k_test.jsonl").exists(), reason="../shared/data is not on this machine")
+def test_gsm8k_reference_solutions_grade_right():
+    rows = [json.loads(line) for line in (DATA / "gsm8k_test.jsonl").open()]
+    wrong = [r["id"] for r in rows if not grade(r["solution"], r["answer"], numeric=True).correct]
+    assert not wrong, wrong[:10]
+
+
+@pytest.mark.skipif(not (DATA / "math500.jsonl").exists(), reason="../shared/data is not on this machine")
+def test_math500_reference_solutions_grade_right():
+    rows = [json.loads(line) for line in (DATA / "math500.jsonl").open()]
+    wrong = [r["unique_id"] for r in rows if not grade(r["solution"], r["answer"], numeric=False).correct]
+    print(f"\n{len(rows) - len(wrong)} of {len(rows)} MATH-500 solutions grade right against their answer")
+    assert len(wrong) <= len(rows) // 100, wrong[:10]  # a string grader: a few equivalent spellings may differ
