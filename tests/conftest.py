@@ -56,6 +56,7 @@ SUBPROCESS_MODEL_TESTS = (
     "scripts/test_product_benchmarks.py::test_evict_scaling",
     "scripts/test_product_benchmarks.py::test_soak_passes_and_fails",
     "scripts/test_product_benchmarks.py::test_accuracy_bench_runs_resumes_and_merges",
+    "scripts/test_product_benchmarks.py::test_recall_bench_passkey_and_multiturn",
     "scripts/test_bench_scripts.py::test_bench_calibration_smoke", "engine/test_llama_cpp_upstream.py",
     "scripts/test_gpu_check_backend.py",
 )

@@ -81,3 +81,19 @@ def test_accuracy_bench_runs_resumes_and_merges(tmp_path):
     assert s["n"] == 2 and s["vs_full"]["n"] == 2 and 0 <= s["accuracy"] <= 1
     run(*args)  # resumed: every pair is done, nothing is added
     assert len(records.read_text().splitlines()) == 4
+
+
+def test_recall_bench_passkey_and_multiturn(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    trace = " ".join(f"Step {i}: we add {i} and {i + 1} to get {2 * i + 1}." for i in range(200))
+    (data / "r1_traces_dev.jsonl").write_text(json.dumps({"trace": trace}) + "\n")
+    d = run("bench_recall.py", "--data", data, "--task", "passkey", "--context", "300", "--budgets", "96",
+            "--policies", "streaming", "--depths", "0.5", "--seeds", "1", "--records", tmp_path / "p.jsonl",
+            "--out", tmp_path / "p.json")
+    s = d["settings"]["streaming@96"]
+    assert s["n"] == 1 and s["mean_evicted"] > 0 and set(s["by_depth"]) == {"0.50"} and "vs_full" in s
+    assert d["settings"]["full"]["mean_evicted"] == 0
+    d = run("bench_recall.py", "--data", data, "--task", "multiturn", "--filler-tokens", "8", "--budgets", "160",
+            "--policies", "streaming", "--seeds", "1", "--records", tmp_path / "m.jsonl", "--out", tmp_path / "m.json")
+    assert set(d["settings"]) == {"full", "streaming@160"}

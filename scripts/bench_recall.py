@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Recall of what was said, under a KV budget, through ``epikv_local.Llama`` (greedy): where recency must lose.
+
+Two tasks, each over ``--policies`` × ``--budgets`` (and a full cache):
+
+- ``passkey``: a fact ("The secret code is 48213.") placed at a relative ``--depths`` inside a long context of
+  reasoning text (R1 traces of the dev split, ``../shared/data/r1_traces_dev.jsonl``) of ``--context`` tokens,
+  then the question; the prompt is *not* protected (it counts against the budget, so a context of several
+  budgets forces evictions inside it). Right when the answer contains the code.
+- ``multiturn``: a conversation whose turns 2-4 give facts (a code, a name, a city), then user turns that ask
+  for long answers (``--filler-tokens`` each) until turn 8 asks for one fact; the first prompt only is
+  protected (the product's default). Right when the answer contains the fact.
+
+Records (JSONL, one line per case) are appended as they come, resumable; the summary (``--out``) gives per
+setting the accuracy, per depth for passkey, and exact McNemar tests against the full cache and against
+StreamingLLM at the same budget (``epikv_local.eval.accuracy``).
+
+    python scripts/bench_recall.py -m MODEL --task passkey --context 1024 --budgets 256 \\
+        --policies streaming,epikv --records results/recall_passkey.jsonl --out results/recall_passkey.json
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import ROOT, ArgParser, log, provenance, run_or_merge, save_json  # noqa: E402
+
+PROG = "bench_recall"
+FACTS = [("code", "My locker code is {v}.", "What is my locker code? Answer with the code only.",
+          lambda r: str(r.randrange(1000, 9999))),
+         ("name", "My dog's name is {v}.", "What is my dog's name? Answer with the name only.",
+          lambda r: r.choice(["Bruno", "Pixel", "Maple", "Ziggy", "Nimbus", "Juniper", "Biscuit", "Tango"])),
+         ("city", "I live in {v}.", "Which city do I live in? Answer with the city only.",
+          lambda r: r.choice(["Tromso", "Valparaiso", "Ljubljana", "Windhoek", "Hobart", "Cusco", "Tartu"]))]
+FILLERS = ["Explain in detail how a bicycle gear system works.", "Describe the water cycle step by step.",
+           "Write a long story about a lighthouse keeper.", "Explain how compound interest works, with examples."]
+
+
+def haystack(data: Path, model, n_tokens: int, seed: int) -> list[int]:
+    """``n_tokens`` tokens of reasoning text (the dev traces, from a seeded start)."""
+    rows = [json.loads(line) for line in (data / "r1_traces_dev.jsonl").open(encoding="utf-8")]
+    text = "\n\n".join(r["trace"] for r in random.Random(seed).sample(rows, len(rows)))
+    tokens = model.tokenize(text.encode("utf-8"), add_bos=False)
+    if len(tokens) < n_tokens:
+        raise ValueError(f"the dev traces have {len(tokens)} tokens, fewer than --context {n_tokens}")
+    return tokens[:n_tokens]
+
+
+def passkey_cases(args) -> list[dict]:
+    return [{"id": f"d{depth:.2f}-s{seed}", "depth": depth, "seed": seed,
+             "code": str(random.Random(seed * 7919 + int(depth * 100)).randrange(10000, 99999))}
+            for depth in args.depths for seed in range(args.seeds)]
+
+
+def run_passkey(llm, case: dict, args) -> tuple[str, dict]:
+    hay = haystack(Path(args.data), llm, args.context, case["seed"])
+    at = int(case["depth"] * len(hay))
+    fact = llm.tokenize(f"\n\nThe secret code is {case['code']}. Remember it.\n\n".encode(), add_bos=False)
+    context = llm.detokenize(hay[:at] + fact + hay[at:]).decode("utf-8", "replace")
+    messages = [{"role": "user", "content": "Read the notes below; a secret code is hidden in them.\n\n" + context
+                 + "\n\nWhat is the secret code? Answer with the number only."}]
+    out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.answer_tokens)
+    return out["choices"][0]["message"].get("content") or "", out
+
+
+def multiturn_cases(args) -> list[dict]:
+    out = []
+    for seed in range(args.seeds):
+        r = random.Random(seed)
+        out.append({"id": f"c{seed}-{FACTS[seed % 3][0]}", "seed": seed, "ask": seed % 3,
+                    "values": [make(r) for _, _, _, make in FACTS]})
+    return out
+
+
+def run_multiturn(llm, case: dict, args) -> tuple[str, dict]:
+    values = case["values"]
+    messages = [{"role": "user", "content": "Hi! I will tell you a few things about me; remember them."}]
+    turns = [FACTS[i][1].format(v=values[i]) for i in range(3)] + [FILLERS[(case["seed"] + k) % 4] for k in range(3)]
+    out = None
+    for text in turns:  # turn 1 is above; turns 2-4 give facts, 5-7 ask for long answers
+        out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.filler_tokens)
+        messages += [{"role": "assistant", "content": out["choices"][0]["message"].get("content") or ""},
+                     {"role": "user", "content": text}]
+    out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.filler_tokens)
+    messages += [{"role": "assistant", "content": out["choices"][0]["message"].get("content") or ""},
+                 {"role": "user", "content": FACTS[case["ask"]][2]}]
+    out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.answer_tokens)
+    return out["choices"][0]["message"].get("content") or "", out
+
+
+def run(args) -> int:
+    from epikv_local.api.llama import Llama
+    from epikv_local.api.models import default_model_path
+
+    model = args.model or str(default_model_path())
+    records = Path(args.records)
+    records.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["setting"], r["id"]) for r in map(json.loads, records.open())} if records.exists() else set()
+    cases = passkey_cases(args) if args.task == "passkey" else multiturn_cases(args)
+    settings = [("full", "none", args.full_budget)] + [(f"{p}@{b}", p, b) for b in args.budgets for p in args.policies]
+    for name, policy, budget in settings:
+        todo = [c for c in cases if (name, c["id"]) not in done]
+        if not todo:
+            continue
+        log(f"{args.task} {name}: {len(todo)} cases")
+        with Llama(model_path=model, kv_budget=budget, kv_policy=policy, n_threads=args.threads, seed=0,
+                   verbose=False, protect_prompt=args.task == "multiturn") as llm:
+            for case in todo:
+                llm.reset()
+                t0 = time.perf_counter()
+                answer, out = (run_passkey if args.task == "passkey" else run_multiturn)(llm, case, args)
+                want = case["code"] if args.task == "passkey" else case["values"][case["ask"]]
+                ext = out["epikv"]
+                rec = {"setting": name, "policy": policy, "budget": None if name == "full" else budget,
+                       "task": args.task, **case, "want": want, "answer": answer[:200],
+                       "correct": want.lower() in answer.lower(), "n_evicted": ext["n_evicted"],
+                       "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2)}
+                with records.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(rec) + "\n")
+                log(f"  {case['id']}: {'right' if rec['correct'] else 'wrong'} ({answer[:40]!r} vs {want!r}), "
+                    f"{rec['n_evicted']} evicted, {rec['seconds']} s")
+    return merge(args) if args.out else 0
+
+
+def merge(args) -> int:
+    from epikv_local.eval.accuracy import mcnemar, paired_bootstrap
+
+    rows = [json.loads(line) for line in Path(args.records).open() if line.strip()]
+    by: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by.setdefault(r["setting"], {})[r["id"]] = r
+    summary = {}
+    for name, recs in sorted(by.items()):
+        rs = list(recs.values())
+        s = {"n": len(rs), "accuracy": sum(r["correct"] for r in rs) / len(rs), "budget": rs[0]["budget"],
+             "policy": rs[0]["policy"], "mean_evicted": sum(r["n_evicted"] for r in rs) / len(rs)}
+        if rs[0]["task"] == "passkey":
+            depths = sorted({r["depth"] for r in rs})
+            s["by_depth"] = {f"{d:.2f}": sum(r["correct"] for r in rs if r["depth"] == d) /
+                             sum(1 for r in rs if r["depth"] == d) for d in depths}
+        for key, ref in (("vs_full", "full"), ("vs_streaming", f"streaming@{s['budget']}")):
+            ids = sorted(set(recs) & set(by.get(ref, {})))
+            if ref != name and ids:
+                x, y = [recs[i]["correct"] for i in ids], [by[ref][i]["correct"] for i in ids]
+                d, lo, hi = paired_bootstrap(x, y)
+                s[key] = {"n": len(ids), **mcnemar(x, y), "difference": d, "ci95": [lo, hi]}
+        summary[name] = s
+    save_json(args.out, {**provenance("bench_recall.py", None), "settings": summary})
+    for name, s in summary.items():
+        vs = s.get("vs_streaming")
+        print(f"{name:24} n={s['n']:3d} recall {s['accuracy']:6.1%}  evicted {s['mean_evicted']:7.0f}"
+              + (f"  vs streaming {vs['difference']:+.1%} (p={vs['p']:.2f})" if vs else "")
+              + (f"  by depth {s['by_depth']}" if "by_depth" in s else ""))
+    return 0
+
+
+def parser() -> ArgParser:
+    p = ArgParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", "--model", help="GGUF model (default: the default model)")
+    p.add_argument("--task", choices=["passkey", "multiturn"], default="passkey")
+    p.add_argument("--policies", type=lambda s: [x for x in s.split(",") if x], default=["streaming", "epikv"])
+    p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",") if x], default=[256])
+    p.add_argument("--context", type=int, default=1024, help="passkey: tokens of context (>= 4 x the budget)")
+    p.add_argument("--depths", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    p.add_argument("--seeds", type=int, default=4, help="cases per depth (passkey) or conversations (multiturn)")
+    p.add_argument("--filler-tokens", type=int, default=200, help="multiturn: tokens of each long answer")
+    p.add_argument("--answer-tokens", type=int, default=16)
+    p.add_argument("--full-budget", type=int, default=8192)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--records", required=True)
+    p.add_argument("--out")
+    p.add_argument("--merge", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    return run_or_merge(PROG, parser(), run, merge, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
