@@ -31,8 +31,6 @@ from benchlib import ROOT, ArgParser, log, provenance, run_or_merge, save_json  
 
 PROG = "bench_accuracy"
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-#: the full cache's budget beyond prompt + max_tokens (cells): nothing is ever evicted
-FULL_SLACK = 64
 
 
 def load_problems(data: Path, task: str, split: str, levels: list[int], offset: int, limit: int | None) -> list[dict]:
@@ -67,10 +65,30 @@ def settings_of(policies: list[str], budgets: list[int], with_full: bool) -> lis
     return out + [(f"{p}@{b}", p, b) for b in budgets for p in policies]
 
 
-def done_pairs(records: Path) -> set[tuple[str, str]]:
+def read_records(records: Path) -> list[dict]:
+    """The records' lines; a torn last line (a run killed while writing) is left out."""
     if not records.exists():
-        return set()
-    return {(r["setting"], r["id"]) for r in map(json.loads, records.open()) if r.get("setting")}
+        return []
+    out = []
+    for line in records.open(encoding="utf-8"):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def check_same_run(rows: list[dict], config: dict, records: Path) -> None:
+    """ConfigError when ``records`` holds outcomes of another configuration (model, task, max_tokens, ...):
+    a resumed run must not mix them."""
+    from epikv_local.errors import ConfigError
+
+    for r in rows:
+        other = {k: r.get(k) for k in config}
+        if other != config:
+            diff = {k: (other[k], config[k]) for k in config if other[k] != config[k]}
+            raise ConfigError(f"{records} holds outcomes of another configuration {diff} (records, this run): "
+                              "use another --records file")
 
 
 def run(args) -> int:
@@ -86,7 +104,10 @@ def run(args) -> int:
         raise ConfigError("no problems selected (check --task, --split, --levels, --offset, --limit)")
     records = Path(args.records)
     records.parent.mkdir(parents=True, exist_ok=True)
-    done = done_pairs(records)
+    config = {"model": Path(model).name, "task": args.task, "split": args.split, "max_tokens": args.max_tokens}
+    rows = read_records(records)
+    check_same_run(rows, config, records)
+    done = {(r["setting"], r["id"]) for r in rows}
     protect = args.prompt == "protected"
     for name, policy, budget in settings_of(args.policies, args.budgets, not args.no_full):
         todo = [p for p in problems if (f"{name}/{args.prompt}", p["id"]) not in done]
@@ -103,17 +124,19 @@ def run(args) -> int:
                 out = llm.create_chat_completion(
                     messages=[{"role": "user", "content": f"{p['question']}\n{INSTRUCTION}"}],
                     temperature=0, max_tokens=args.max_tokens)
-                msg = out["choices"][0]["message"]
-                text = (msg.get("reasoning_content") or "") + (msg.get("content") or "")
-                g = grade(text, p["gold"], p["numeric"])
+                msg, finish = out["choices"][0]["message"], out["choices"][0]["finish_reason"]
+                # the reasoning split off again at its tag: a box inside the reasoning is not the answer
+                text = (msg.get("reasoning_content") or "") + "\n</think>\n" + (msg.get("content") or "") \
+                    if msg.get("reasoning_content") else (msg.get("content") or "")
+                g = grade(text, p["gold"], p["numeric"], truncated=finish == "length")
                 ext = out["epikv"]
                 if budget is None and ext["n_evicted"]:
                     raise ConfigError(f"the full cache evicted {ext['n_evicted']} cells: raise --full-budget")
-                rec = {"setting": f"{name}/{args.prompt}", "policy": policy, "budget": budget,
+                rec = {**config, "setting": f"{name}/{args.prompt}", "policy": policy, "budget": budget,
                        "prompt": args.prompt, "id": p["id"], "gold": p["gold"], "answer": g.answer,
                        "correct": g.correct, "empty": g.empty, "looping": g.looping,
                        "n_prompt": out["usage"]["prompt_tokens"], "n_generated": out["usage"]["completion_tokens"],
-                       "finish_reason": out["choices"][0]["finish_reason"], "n_evicted": ext["n_evicted"],
+                       "finish_reason": finish, "n_evicted": ext["n_evicted"],
                        "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2),
                        "text": text if args.keep_text else None}
                 with records.open("a", encoding="utf-8") as f:  # one whole line per outcome: resumable
@@ -130,7 +153,9 @@ def merge(args) -> int:
     records = Path(args.records)
     if not records.exists():
         raise ConfigError(f"{records} not found")
-    rows = [json.loads(line) for line in records.open() if line.strip()]
+    rows = read_records(records)
+    if rows:
+        check_same_run(rows, {k: rows[0].get(k) for k in ("model", "task", "split", "max_tokens")}, records)
     by: dict[str, dict[str, dict]] = {}
     for r in rows:
         by.setdefault(r["setting"], {})[r["id"]] = r
@@ -143,6 +168,7 @@ def merge(args) -> int:
                          "empty_share": sum(r["empty"] for r in rs) / n,
                          "looping_share": sum(r["looping"] for r in rs) / n,
                          "mean_evicted": sum(r["n_evicted"] for r in rs) / n,
+                         "cut_off_share": sum(r["finish_reason"] == "length" for r in rs) / n,
                          "policy": rs[0]["policy"], "budget": rs[0]["budget"], "prompt": rs[0]["prompt"]}
 
     def compare(a: str, b: str) -> dict | None:
@@ -159,7 +185,8 @@ def merge(args) -> int:
         s["vs_full"] = compare(name, full) if full and name != full else None
         ref = f"streaming@{s['budget']}/{s['prompt']}"
         s["vs_streaming"] = compare(name, ref) if s["budget"] is not None and name != ref and ref in by else None
-    doc = {**provenance("bench_accuracy.py", None), "records": str(records.relative_to(ROOT)) if
+    doc = {**provenance("bench_accuracy.py", None), **{k: rows[0].get(k) for k in ("model", "task", "split",
+                                                                                   "max_tokens")}, "records": str(records.relative_to(ROOT)) if
            records.resolve().is_relative_to(ROOT) else records.name, "settings": summary}
     save_json(args.out, doc)
     def cell(c: dict | None) -> str:

@@ -93,14 +93,34 @@ def run_multiturn(llm, case: dict, args) -> tuple[str, dict]:
     return out["choices"][0]["message"].get("content") or "", out
 
 
+def read_records(records: Path) -> list[dict]:
+    """The records' lines; a torn last line (a run killed while writing) is left out."""
+    out = []
+    if records.exists():
+        for line in records.open(encoding="utf-8"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
 def run(args) -> int:
     from epikv_local.api.llama import Llama
+    from epikv_local.errors import ConfigError
     from epikv_local.api.models import default_model_path
 
     model = args.model or str(default_model_path())
     records = Path(args.records)
     records.parent.mkdir(parents=True, exist_ok=True)
-    done = {(r["setting"], r["id"]) for r in map(json.loads, records.open())} if records.exists() else set()
+    rows = read_records(records)
+    config = {"model": Path(model).name, "task": args.task, "context": args.context if args.task == "passkey" else None,
+              "filler_tokens": args.filler_tokens if args.task == "multiturn" else None}
+    for r in rows:
+        if {k: r.get(k) for k in config} != config:
+            raise ConfigError(f"{records} holds outcomes of another configuration ({r.get('task')}, "
+                              f"{r.get('model')}): use another --records file")
+    done = {(r["setting"], r["id"]) for r in rows}
     cases = passkey_cases(args) if args.task == "passkey" else multiturn_cases(args)
     settings = [("full", "none", args.full_budget)] + [(f"{p}@{b}", p, b) for b in args.budgets for p in args.policies]
     for name, policy, budget in settings:
@@ -116,8 +136,8 @@ def run(args) -> int:
                 answer, out = (run_passkey if args.task == "passkey" else run_multiturn)(llm, case, args)
                 want = case["code"] if args.task == "passkey" else case["values"][case["ask"]]
                 ext = out["epikv"]
-                rec = {"setting": name, "policy": policy, "budget": None if name == "full" else budget,
-                       "task": args.task, **case, "want": want, "answer": answer[:200],
+                rec = {**config, "setting": name, "policy": policy, "budget": None if name == "full" else budget,
+                       **case, "want": want, "answer": answer[:200],
                        "correct": want.lower() in answer.lower(), "n_evicted": ext["n_evicted"],
                        "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2)}
                 with records.open("a", encoding="utf-8") as f:
@@ -128,9 +148,12 @@ def run(args) -> int:
 
 
 def merge(args) -> int:
+    from epikv_local.errors import ConfigError
     from epikv_local.eval.accuracy import mcnemar, paired_bootstrap
 
-    rows = [json.loads(line) for line in Path(args.records).open() if line.strip()]
+    rows = read_records(Path(args.records))
+    if len({r.get("task") for r in rows}) > 1:
+        raise ConfigError(f"{args.records} holds outcomes of both tasks: merge one task's records at a time")
     by: dict[str, dict[str, dict]] = {}
     for r in rows:
         by.setdefault(r["setting"], {})[r["id"]] = r

@@ -64,6 +64,31 @@ def content_problem(message: dict) -> str | None:
     return None
 
 
+def tool_calls_problem(message: dict) -> tuple[str, str] | None:
+    """(field, why) when a message's ``tool_calls`` cannot be rendered, or None: templates render each call's
+    ``function.name`` and ``function.arguments`` (``| tojson``), and fail on anything else with a TypeError deep
+    inside Jinja."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return None
+    if not isinstance(calls, list):
+        return "tool_calls", f"must be a list of tool calls, got {type(calls).__name__}"
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), (str, dict)):
+            return f"tool_calls[{k}]", "must be {'id': ..., 'type': 'function', 'function': {'name': str, " \
+                                       f"'arguments': str or object}}}}, got {c!r:.120}"
+    return None
+
+
+def message_problem(message: dict) -> tuple[str, str] | None:
+    """(field, why) when the chat template cannot render ``message`` (a dict), for an error "messages[i].field
+    why": its content (:func:`content_problem`) or its tool calls (:func:`tool_calls_problem`); None when it can."""
+    why = content_problem(message)
+    return ("content", why) if why else tool_calls_problem(message)
+
+
 def utf8(text: str, what: str) -> bytes:
     """``text`` as UTF-8; ConfigError naming ``what`` for text that is not valid Unicode (a lone surrogate)."""
     try:

@@ -25,14 +25,16 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
+import jinja2
+
 from ..engine.budget import DEFAULT_KV_BUDGET
 from ..engine.handles import Closing, Model
 from ..engine.native import load
 from ..engine.sampling import MAX_SEED, SamplingConfig
 from ..engine.session import Session
-from ..errors import ConfigError
+from ..errors import ConfigError, EpikvError
 from . import hub, responses
-from .chat import content_problem, flatten_text_parts, utf8
+from .chat import flatten_text_parts, message_problem, utf8
 from .chat_call import HandlerCall, chat_arguments, chat_steps, split_message
 from .completion import chained, check_budget, completion_chunks, fim_prompt
 from .generation import ReasoningBudget, stream_generate
@@ -80,9 +82,9 @@ def check_messages(messages) -> None:
         role = m.get("role")
         if role not in ROLES:
             raise ConfigError(f"messages[{i}] has unknown role {role!r}; roles are {', '.join(ROLES)}")
-        problem = content_problem(m)
+        problem = message_problem(m)
         if problem:
-            raise ConfigError(f"messages[{i}].content {problem}")
+            raise ConfigError(f"messages[{i}].{problem[0]} {problem[1]}")
 
 
 class Llama(LlamaExtras, Closing):
@@ -376,8 +378,10 @@ class Llama(LlamaExtras, Closing):
         if not isinstance(suffix, str):
             raise ConfigError(f"suffix must be a string, got {type(suffix).__name__}")
         fim = self._fim_tokens()
-        prefix = self.tokenize(utf8(text, "prompt"), add_bos=False, special=False) if text else list(prompt or [])
-        suffix_ids = self.tokenize(utf8(suffix, "suffix"), add_bos=False, special=False) if suffix else []
+        prefix_data, suffix_data = utf8(text or "", "prompt"), utf8(suffix, "suffix")
+        self.check_prompt_bytes(len(prefix_data) + len(suffix_data))
+        prefix = self.tokenize(prefix_data, add_bos=False, special=False) if text else list(prompt or [])
+        suffix_ids = self.tokenize(suffix_data, add_bos=False, special=False) if suffix else []
         m = self._open_model
         with m.using():
             add_bos, add_eos = m.nat.llama.llama_vocab_get_add_bos(m.vocab), m.nat.llama.llama_vocab_get_add_eos(m.vocab)
@@ -527,4 +531,10 @@ class Llama(LlamaExtras, Closing):
         if reasoning_budget is not None:
             check_budget(reasoning_budget)
         call = HandlerCall(self, reasoning_budget)
-        return call, self.chat_handler(llama=call, messages=messages, stream=stream, **kwargs)
+        try:
+            return call, self.chat_handler(llama=call, messages=messages, stream=stream, **kwargs)
+        except EpikvError:
+            raise
+        except (jinja2.TemplateError, ValueError) as e:  # the template refused the conversation: its
+            # raise_exception (a ValueError in llama-cpp-python) or an undefined name
+            raise ConfigError(f"the chat template cannot render these messages: {e}") from None

@@ -375,21 +375,32 @@ class Model(_Owned):
 
     @native_call
     def max_piece_bytes(self) -> int | None:
-        """The longest piece of any token (bytes, special tokens included; computed once, about a second for a
-        150k vocabulary), or None for a vocabulary (WPM, UGM) where one token may stand for a longer text (an
-        unknown word). A text of B bytes tokenizes to at least B / this many tokens, so a prompt over a token
-        limit can be refused without tokenizing it (tokenizing megabytes is seconds of uninterruptible work)."""
+        """The most bytes of text one token can stand for (computed once, about a second for a 150k
+        vocabulary): the longest piece (byte-level BPE: the input bytes) or, for SPM, the longest stored token
+        text (its U+2581 is 3 bytes of input for the 1-byte space of the piece); special tokens included. None
+        where one token may stand for unbounded text: WPM and UGM vocabularies (an unknown word is one token)
+        and special tokens that strip the whitespace beside them (lstrip / rstrip attributes). Otherwise a text
+        of B bytes tokenizes to at least B / this many tokens, so a prompt over a token limit can be refused
+        without tokenizing it (tokenizing megabytes is seconds of uninterruptible work)."""
         if not hasattr(self, "_max_piece"):
-            ll = self.nat.llama
-            if int(ll.llama_vocab_type(self.vocab)) not in (ll.LLAMA_VOCAB_TYPE_SPM, ll.LLAMA_VOCAB_TYPE_BPE):
-                self._max_piece = None
-            else:
-                buf, longest = ctypes.create_string_buffer(256), 1
-                for token in range(self.info.n_vocab):
-                    n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
-                    longest = max(longest, n if n >= 0 else -n)  # -n: the piece needs n bytes
-                self._max_piece = longest
+            self._max_piece = self._longest_token_text()
         return self._max_piece
+
+    def _longest_token_text(self) -> int | None:
+        ll = self.nat.llama
+        kind = int(ll.llama_vocab_type(self.vocab))
+        if kind not in (ll.LLAMA_VOCAB_TYPE_SPM, ll.LLAMA_VOCAB_TYPE_BPE):
+            return None
+        spm = kind == ll.LLAMA_VOCAB_TYPE_SPM  # byte-level BPE: the piece is the input bytes; SPM: the stored text
+        strip = ll.LLAMA_TOKEN_ATTR_LSTRIP | ll.LLAMA_TOKEN_ATTR_RSTRIP
+        buf, longest = ctypes.create_string_buffer(256), 1
+        for token in range(self.info.n_vocab):
+            if int(ll.llama_vocab_get_attr(self.vocab, token)) & strip:
+                return None
+            n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            text = (ll.llama_vocab_get_text(self.vocab, token) or b"") if spm else b""
+            longest = max(longest, n if n >= 0 else -n, len(text))  # -n: the piece needs n bytes
+        return longest
 
     @native_call
     def token_bytes(self, token: int, special: bool = False) -> bytes:

@@ -88,6 +88,11 @@ class SamplingConfig:
             raise ConfigError("grammar must be a non-empty GBNF text")
         if not isinstance(self.grammar_root, str) or not self.grammar_root:
             raise ConfigError(f"grammar_root must be a rule name, got {self.grammar_root!r}")
+        for name in ("grammar", "grammar_root"):
+            try:
+                (getattr(self, name) or "").encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"{name} is not valid Unicode (a lone surrogate at character {e.start})") from None
 
     @property
     def uses_penalties(self) -> bool:

@@ -24,9 +24,11 @@ import numpy as np
 
 __all__ = ["Grade", "extract_answer", "grade", "is_looping", "mcnemar", "normalize", "paired_bootstrap"]
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
 _ANSWER_IS = re.compile(r"(?:final answer|the answer|answer)\s*(?:is|:|=)\s*:?\s*(.+)", re.IGNORECASE)
-_HASHES = re.compile(r"####\s*(.+)")
+#: GSM8K's answer line ("#### 18"), not a markdown heading ("#### Step 2")
+_HASHES = re.compile(r"^####\s*(\$?\s*-?\.?\d[^\n]*)", re.MULTILINE)
+_MATH = re.compile(r"\$([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -48,9 +50,11 @@ def _last_boxed(text: str) -> str | None:
     return None  # unbalanced: the output was cut off inside the box
 
 
-def extract_answer(text: str, numeric: bool) -> str | None:
-    """The final answer written in ``text`` (the part after ``</think>`` when there is one), or None.
-    ``numeric``: the task's answers are numbers (GSM8K): the last number is the fallback."""
+def extract_answer(text: str, numeric: bool, truncated: bool = False) -> str | None:
+    """The final answer written in ``text`` (the part after the last ``</think>`` when there is one), or None.
+    ``numeric``: the task's answers are numbers (GSM8K): the last number is the fallback. ``truncated``: the
+    output was cut off (``finish_reason == "length"``): only an explicit answer (``\\boxed{}``, ``####``)
+    counts, not a number the text happened to end on."""
     if "</think>" in text:
         text = text.rsplit("</think>", 1)[1]
     boxed = _last_boxed(text)
@@ -58,15 +62,24 @@ def extract_answer(text: str, numeric: bool) -> str | None:
         return boxed.strip()
     hashes = _HASHES.findall(text)
     if hashes:
-        return hashes[-1].strip()
+        last = hashes[-1].strip()
+        nums = _NUMBER.findall(last) if numeric else None
+        return nums[0] if nums else last
+    if truncated:
+        return None
     phrases = _ANSWER_IS.findall(text)
     if phrases:
         phrase = phrases[-1].strip()
+        nested = _ANSWER_IS.findall(phrase)  # "Final Answer: The final answer is $18$."
+        phrase = nested[-1].strip() if nested else phrase
+        math = _MATH.search(phrase)
+        if math:
+            phrase = next(g for g in math.groups() if g is not None)
         if numeric:
             nums = _NUMBER.findall(phrase)
             if nums:
                 return nums[0]
-        return phrase.split("\n")[0].rstrip(". ")
+        return phrase.split("\n")[0].strip().rstrip(". ")
     if numeric:
         nums = _NUMBER.findall(text)
         if nums:
@@ -92,7 +105,11 @@ def _balanced(s: str) -> bool:
 def normalize(answer: str) -> str:
     """A canonical string for comparing answers (see the module docstring)."""
     s = answer.strip()
+    s = s.replace("{,}", "")  # 1{,}000
+    # units after a number: 18\text{ eggs}, 864 \mbox{ inches}^2, \frac{270}7\text{ degrees}
+    s = re.sub(r"(?<=[\d}])\s*\\(?:text|mbox)\{\s*[A-Za-z][^{}]*\}(\^\d)?\s*$", "", s)
     s = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\mbox\{\s*([^{}]*)\}", r"\1", s)
     s = re.sub(r"\\(?:mathrm|textbf|mathbf)\{([^{}]*)\}", r"\1", s)
     for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                      ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", ""), ("^\\circ", ""), ("^{\\circ}", ""),
@@ -103,6 +120,9 @@ def normalize(answer: str) -> str:
     if re.fullmatch(r"-?[\d,]+(\.\d+)?", s) and "," in s and re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")  # 1,000 is a thousand; (1,2) stays a pair
     s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)  # \frac12
+    s = re.sub(r"\\frac(\d)\{", r"\\frac{\1}{", s)  # \frac9{19}
+    s = re.sub(r"\\frac(\{[^{}]*\})(\d)", r"\\frac\1{\2}", s)  # \frac{270}7
+    s = re.sub(r"\\sqrt(\d+)", r"\\sqrt{\1}", s)  # 11\sqrt2
     s = re.sub(r"^([a-zA-Z]\w*)=", "", s)  # "x=5" -> "5"
     return s
 
@@ -132,9 +152,10 @@ class Grade:
     looping: bool
 
 
-def grade(text: str, gold: str, numeric: bool) -> Grade:
-    """Grade one output ``text`` against ``gold`` (GSM8K: ``numeric=True``)."""
-    pred = extract_answer(text, numeric)
+def grade(text: str, gold: str, numeric: bool, truncated: bool = False) -> Grade:
+    """Grade one output ``text`` against ``gold`` (GSM8K: ``numeric=True``; ``truncated``: see
+    :func:`extract_answer`)."""
+    pred = extract_answer(text, numeric, truncated)
     correct = False
     if pred is not None:
         a, b = normalize(pred), normalize(str(gold))
@@ -146,18 +167,19 @@ def grade(text: str, gold: str, numeric: bool) -> Grade:
     return Grade(pred, correct, empty=not text.strip(), looping=is_looping(text))
 
 
-def is_looping(text: str, n: int = 8, tail_chars: int = 1200, share: float = 0.5) -> bool:
-    """True when the last ``tail_chars`` characters are mostly a repetition: the most frequent word ``n``-gram
-    there covers at least ``share`` of the tail's words (the degenerate loops of an over-pruned cache)."""
+def is_looping(text: str, n: int = 8, tail_chars: int = 1500, share: float = 0.5) -> bool:
+    """True when the last ``tail_chars`` characters are mostly repetition: at least ``share`` of the word
+    ``n``-grams there occur three times or more (the degenerate loops of an over-pruned cache, whatever their
+    period)."""
     words = text[-tail_chars:].split()
     if len(words) < 4 * n:
         return False
-    grams: dict[tuple, int] = {}
-    for i in range(len(words) - n + 1):
-        g = tuple(words[i:i + n])
-        grams[g] = grams.get(g, 0) + 1
-    top = max(grams.values())
-    return top * n >= share * len(words) and top >= 3
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    counts: dict[tuple, int] = {}
+    for g in grams:
+        counts[g] = counts.get(g, 0) + 1
+    repeated = sum(1 for g in grams if counts[g] >= 3)
+    return repeated >= share * len(grams)
 
 
 def mcnemar(a: list[bool], b: list[bool]) -> dict:
@@ -178,6 +200,8 @@ def mcnemar(a: list[bool], b: list[bool]) -> dict:
 def paired_bootstrap(a: list[bool], b: list[bool], n_resamples: int = 10000, seed: int = 0,
                      level: float = 0.95) -> tuple[float, float, float]:
     """(difference, low, high): accuracy(a) - accuracy(b) and its percentile CI, resampling problems."""
+    if len(a) != len(b):
+        raise ValueError(f"paired outcomes of different lengths: {len(a)} vs {len(b)}")
     x = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     if x.size == 0:
         return float("nan"), float("nan"), float("nan")

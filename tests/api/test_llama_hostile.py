@@ -75,3 +75,39 @@ def test_row17_nothing_answers_after_close(model_path):
     for call in (m.n_vocab, m.n_ctx, lambda: m.tokenize(b"hi"), lambda: m.detokenize([1]), lambda: m("Hi")):
         with pytest.raises(ConfigError, match="closed"):
             call()
+
+
+@pytest.mark.parametrize("calls,field", [
+    ([{"id": "c", "type": "function", "function": {"name": "f"}}], r"tool_calls\[0\]"),
+    ("ab", "tool_calls"), ([5], r"tool_calls\[0\]"),
+    ([{"id": "c", "type": "function", "function": {"name": 3, "arguments": "{}"}}], r"tool_calls\[0\]")])
+def test_row7_malformed_tool_calls_are_a_config_error_naming_them(llm, calls, field):
+    with pytest.raises(ConfigError, match=rf"messages\[1\]\.{field} must be"):
+        chat(llm, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                   {"role": "tool", "tool_call_id": "c", "content": "x"}])
+
+
+def test_row7_a_template_that_refuses_the_conversation_is_a_config_error(model_path):
+    template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}x"
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter, chat_formatter_to_chat_completion_handler
+
+    handler = chat_formatter_to_chat_completion_handler(Jinja2ChatFormatter(template, "</s>", "<s>"))
+    with Llama(model_path=str(model_path), kv_budget=64, n_threads=1, chat_handler=handler) as m:
+        with pytest.raises(ConfigError, match="the chat template cannot render these messages: system first"):
+            chat(m, [{"role": "user", "content": "Hi"}])
+
+
+def test_row4_a_fill_in_the_middle_prompt_is_size_checked_before_tokenizing(model_path, monkeypatch):
+    with Llama(model_path=str(model_path), kv_budget=64, n_threads=1, max_prompt_tokens=100) as m:
+        monkeypatch.setattr(m, "_fim_tokens", lambda: (1, 2, 0))  # SmolLM2 has no FIM tokens: stand-ins
+        monkeypatch.setattr(m, "tokenize", lambda *a, **k: pytest.fail("tokenized before the size check"))
+        big = "x " * 10_000
+        with pytest.raises(ConfigError, match=r"bytes has at least \d+ tokens.*max_prompt_tokens"):
+            m.create_completion(big, suffix="", max_tokens=1)
+        with pytest.raises(ConfigError, match=r"bytes has at least \d+ tokens.*max_prompt_tokens"):
+            m.create_completion("def f(", suffix=big, max_tokens=1)
+
+
+def test_row8_a_lone_surrogate_in_a_grammar_is_a_config_error(llm):
+    with pytest.raises(ConfigError, match=r"grammar is not valid Unicode"):
+        llm("Hi", max_tokens=2, grammar='root ::= "\ud800"')  # GBNF text is accepted as a grammar too

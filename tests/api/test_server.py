@@ -493,3 +493,20 @@ def test_itemA_streamed_tool_calls_follow_openai(server):
                 names.append(d.function.name)
             args += (d.function.arguments or "") if d.function else ""
     assert names == ["get_weather"] and args == whole.function.arguments
+
+
+def test_itemA_tool_call_deltas_name_each_call_once_function_call_too():
+    from epikv_local.api.server.streaming import openai_tool_deltas
+
+    def chunk(args):
+        return {"choices": [{"index": 0, "delta": {
+            "tool_calls": [{"index": 0, "id": "c0", "type": "function", "function": {"name": "f", "arguments": args}}],
+            "function_call": {"name": "f", "arguments": args}}}]}
+
+    seen: set = set()
+    out = [openai_tool_deltas(chunk(a), seen)["choices"][0]["delta"] for a in ('{"a"', ": 1}")]
+    assert out[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a"'}
+    assert out[1]["tool_calls"][0] == {"index": 0, "function": {"arguments": ": 1}"}}
+    assert out[0]["function_call"]["name"] == "f" and out[1]["function_call"] == {"arguments": ": 1}"}
+    plain = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
+    assert openai_tool_deltas(plain, seen) is plain

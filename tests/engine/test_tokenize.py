@@ -241,3 +241,19 @@ def test_special_token_partition_scales_linearly(model):
     ratio = min(t_large) / min(t_small)
     assert ratio < 24, f"tokenizing {16 * n} special tokens took {ratio:.1f}x the time of {2 * n} (linear: ~8): " \
                        f"{min(t_small):.4f} s vs {min(t_large):.4f} s"
+
+
+def test_max_piece_bytes_bounds_the_token_count_from_below(model):
+    """The bound the prompt-size check relies on: no text tokenizes to fewer than bytes / max_piece_bytes tokens
+    (random mixtures of words, special tokens, long whitespace runs, U+2581, digits and non-ASCII)."""
+    longest = model.max_piece_bytes()
+    assert longest is not None and longest >= max(len(model.token_bytes(t, special=True)) for t in range(200))
+    parts = ["hello", " world", "<|im_start|>", "<|im_end|>", "\n", " " * 64, "\t\t", "\u2581" * 5, "1234567",
+             "ééé", "日本語", "\U0001f600", "http://example.com/a/b?c=d", "=" * 40, "<think>", "</think>"]
+    rnd = random.Random(5)
+    for _ in range(300):
+        text = "".join(rnd.choice(parts) for _ in range(rnd.randint(1, 60)))
+        n_bytes = len(text.encode())
+        for special in (True, False):
+            n = len(model.tokenize(text, add_special=False, parse_special=special))
+            assert n * longest >= n_bytes, (text, n, n_bytes, longest)

@@ -27,6 +27,17 @@ DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
     ("\\boxed{90^\\circ}", "90"),
     ("\\boxed{\\text{(C)}}", "\\text{(C)}"),
     ("\\boxed{10\\%}", "10"),
+    ("So the answer is 18, since she sells them all.", "18"),
+    ("#### Step 1\nadd them\n#### Step 2: Answer\nShe has 18 apples.", "18"),
+    ("\\boxed{18\\text{ eggs}}", "18"),
+    ("\\boxed{1{,}000}", "1000"),
+    ("\\boxed{\\frac{9}{19}}", "\\frac9{19}"),
+    ("\\boxed{\\frac{270}{7}}", "\\frac{270}7\\text{ degrees}"),
+    ("\\boxed{11\\sqrt{2}}", "11\\sqrt2"),
+    ("\\boxed{864}", "864 \\mbox{ inches}^2"),
+    ("\\boxed{5.4}", "5.4 \\text{ cents}"),
+    ("Final Answer: The final answer is $18$. I hope it is correct.", "18"),
+    ("The answer is \\(\\frac12\\).", "\\frac{1}{2}"),
 ])
 def test_right_answers_grade_right(text, gold):
     g = grade(text, gold, numeric=gold.lstrip("-").replace(".", "").isdigit())
@@ -42,6 +53,19 @@ def test_wrong_or_missing_answers_grade_wrong(text, gold):
     assert not grade(text, gold, numeric=False).correct
 
 
+def test_a_cut_off_output_needs_an_explicit_answer():
+    assert grade("... so far 3 + 15 = 18", "18", numeric=True).correct
+    assert not grade("... so far 3 + 15 = 18", "18", numeric=True, truncated=True).correct
+    assert grade("\\boxed{18} and then I kept going", "18", numeric=True, truncated=True).correct
+
+
+def test_reasoning_joined_to_the_answer_the_way_the_bench_does():
+    """bench_accuracy puts "</think>" between reasoning_content and content: a box inside the reasoning and
+    the digits at the seam do not count."""
+    text = "maybe \\boxed{5}? no, it is 18" + "\n</think>\n" + "42 is wrong; the answer is 6."
+    assert extract_answer(text, numeric=True) == "6"
+
+
 def test_the_last_box_and_the_text_after_thinking_count():
     assert extract_answer("\\boxed{1} then \\boxed{{2}}", numeric=False) == "{2}"
     assert extract_answer("<think>\\boxed{4}</think> so 5", numeric=True) == "5"
@@ -52,6 +76,8 @@ def test_empty_and_looping_outputs_are_told():
     assert grade("   ", "1", True).empty
     loop = "Let me check again. " * 80
     assert is_looping(loop) and grade(loop, "1", True).looping
+    sentence = " ".join(f"w{i}" for i in range(25)) + " "  # a 25-word period, repeated
+    assert is_looping("An answer starts here. " + sentence * 20)
     prose = " ".join(f"step {i} adds {i * 7 % 11} to the total of {i * i}" for i in range(120))
     assert not is_looping(prose)
 

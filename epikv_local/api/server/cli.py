@@ -141,6 +141,8 @@ def _url(sock) -> str:
 def _serve(uvicorn, app, sock, banner: str, verbose: bool) -> None:
     """Serve ``app`` on ``sock`` until SIGINT / SIGTERM; ``banner`` goes to stderr once uvicorn is up."""
     import asyncio
+    import signal
+    import threading
 
     service = app.state.epikv
     loop = []
@@ -149,6 +151,12 @@ def _serve(uvicorn, app, sock, banner: str, verbose: bool) -> None:
         def handle_exit(self, sig, frame):  # SIGINT / SIGTERM: generations stop, a prefill at its next chunk
             if service.stop_deadline is None:  # the first signal: the grace period starts now
                 service.stop_deadline = time.monotonic() + SHUTDOWN_GRACE_S - EXIT_MARGIN_S
+                # the watchdog: whatever still runs when the grace period ends (one native call, a second
+                # signal that interrupted the close), the process ends then
+                status = 130 if sig == signal.SIGINT else 0
+                watchdog = threading.Timer(SHUTDOWN_GRACE_S - EXIT_MARGIN_S / 2, _exit_now, (status,))
+                watchdog.daemon = True  # a shutdown that finishes in time is not held up by it
+                watchdog.start()
             service.stopping = True
             if loop:  # a signal handler: the job is stopped from the event loop, not from here; a request still
                 # waiting for its thread when uvicorn's part of the grace ends is answered without it

@@ -78,7 +78,9 @@ def props(llama, alias: str, max_tokens: int) -> dict:
 
 
 def add_routes(router, service, authenticate, max_tokens: int) -> None:
-    """Add the three endpoints to ``router`` (behind ``authenticate``, a FastAPI dependency)."""
+    """Add the three endpoints to ``router`` (behind ``authenticate``, a FastAPI dependency). A shutdown does
+    not wait for a tokenization in flight (``abandon_on_cancel``): the server's close gives up on it after the
+    grace period."""
     import anyio
 
     def borrowed(call):
@@ -88,15 +90,17 @@ def add_routes(router, service, authenticate, max_tokens: int) -> None:
     @router.post("/tokenize", dependencies=[Depends(authenticate)])
     async def tokenize(body: TokenizeRequest):
         def run(llama):
+            # a text too long to be a prompt is refused before it is tokenized (seconds of native work)
+            llama.check_prompt_bytes(len(body.content.encode("utf-8")))
             ids = llama.tokenize(body.content, add_bos=body.add_special, special=body.parse_special)
             return [{"id": t, "piece": piece(llama, t)} for t in ids] if body.with_pieces else ids
-        return {"tokens": await anyio.to_thread.run_sync(borrowed, run)}
+        return {"tokens": await anyio.to_thread.run_sync(borrowed, run, abandon_on_cancel=True)}
 
     @router.post("/detokenize", dependencies=[Depends(authenticate)])
     async def detokenize(body: DetokenizeRequest):
         def run(llama):
             return llama.detokenize(body.tokens, special=True).decode("utf-8", "replace")
-        return {"content": await anyio.to_thread.run_sync(borrowed, run)}
+        return {"content": await anyio.to_thread.run_sync(borrowed, run, abandon_on_cancel=True)}
 
     @router.get("/props", dependencies=[Depends(authenticate)])
     async def get_props():

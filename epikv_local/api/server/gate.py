@@ -39,6 +39,8 @@ THREADED_PARSE_BYTES = 256 * 1024
 #: a refused body (too large, or not authenticated) is read and dropped up to this many bytes before the answer,
 #: so that the client, still sending, reads it instead of a reset connection; beyond it the connection is closed
 DRAIN_BYTES = 64 * 1024 * 1024
+#: and for at most this many seconds
+DRAIN_SECONDS = 5.0
 _HEADER_NAMES = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+(\s*,\s*[A-Za-z0-9!#$%&'*+.^_`|~-]+)*")
 
 
@@ -209,10 +211,20 @@ def _declared(headers: dict) -> int:
     return int(value) if value.isdigit() else 0
 
 
-async def _drain(receive, budget: int) -> None:
-    """Read and drop the rest of a body, at most ``budget`` bytes."""
+async def _drain(receive, budget: int, seconds: float = None) -> None:
+    """Read and drop the rest of a body, at most ``budget`` bytes and ``seconds`` (``DRAIN_SECONDS``): a
+    client that trickles its body does not hold the answer (and the connection) open."""
+    import asyncio
+
+    deadline = asyncio.get_running_loop().time() + (DRAIN_SECONDS if seconds is None else seconds)
     while budget > 0:
-        message = await receive()
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except asyncio.TimeoutError:
+            return
         if message["type"] != "http.request" or not message.get("more_body", False):
             return
         budget -= len(message.get("body", b""))

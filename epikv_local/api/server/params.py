@@ -17,7 +17,7 @@ from typing import Any
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..chat import content_problem, flatten_text_parts
+from ..chat import flatten_text_parts, message_problem
 from .errors import APIError
 from .limits import Limits
 
@@ -100,14 +100,15 @@ def request_kwargs(body, alias: str, input_field: str, limits: Limits) -> dict:
 
 def check_chat_messages(messages: list[dict], limits: Limits) -> None:
     """400 naming the message: more than ``--max-messages``, or a message whose content the chat template cannot
-    render (:func:`~epikv_local.api.chat.content_problem`: missing, null without tool calls, not text)."""
+    render (:func:`~epikv_local.api.chat.message_problem`: content missing, null without tool calls or not text;
+    tool calls not of OpenAI's shape)."""
     if len(messages) > limits.max_messages:
         raise APIError(400, f"{len(messages)} messages, over the server's limit of {limits.max_messages} "
                             "(--max-messages)", param="messages", code="too_many_messages")
     for i, m in enumerate(messages):
-        problem = content_problem(m)
+        problem = message_problem(m)
         if problem:
-            raise APIError(400, f"messages[{i}].content {problem}", param=f"messages[{i}].content",
+            raise APIError(400, f"messages[{i}].{problem[0]} {problem[1]}", param=f"messages[{i}].{problem[0]}",
                            code="invalid_value")
 
 

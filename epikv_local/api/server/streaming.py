@@ -172,15 +172,17 @@ async def events(service: Service, request: Request, job: Job, usage_chunk=None)
 
 def openai_tool_deltas(chunk: dict, seen: set) -> dict:
     """``chunk`` with each tool call's ``id``, ``type`` and function ``name`` in its first delta only, as OpenAI
-    streams them (clients join the deltas' strings); llama-cpp-python's chat handlers repeat them in every delta.
-    ``seen``: the tool-call indexes already sent in this stream (updated)."""
+    streams them (clients join the deltas' strings); llama-cpp-python's chat handlers repeat them in every delta,
+    and the legacy ``function_call`` beside them too. ``seen``: the tool-call indexes already sent in this
+    stream, and "function_call" once that was (updated)."""
     choices = chunk.get("choices") or ()
-    deltas = [(c.get("delta") or {}).get("tool_calls") for c in choices if isinstance(c, dict)]
-    if not any(deltas):
+    if not any(isinstance(c, dict) and ((c.get("delta") or {}).get("tool_calls") or
+                                        (c.get("delta") or {}).get("function_call")) for c in choices):
         return chunk
     out = {**chunk, "choices": []}
     for c in choices:
-        calls = (c.get("delta") or {}).get("tool_calls")
+        delta = dict(c.get("delta") or {})
+        calls = delta.get("tool_calls")
         if calls:
             fixed = []
             for d in calls:
@@ -191,8 +193,13 @@ def openai_tool_deltas(chunk: dict, seen: set) -> dict:
                         d["function"] = {k: v for k, v in d["function"].items() if k != "name"}
                 seen.add(i)
                 fixed.append(d)
-            c = {**c, "delta": {**c["delta"], "tool_calls": fixed}}
-        out["choices"].append(c)
+            delta["tool_calls"] = fixed
+        fc = delta.get("function_call")
+        if isinstance(fc, dict):
+            if "function_call" in seen:
+                delta["function_call"] = {k: v for k, v in fc.items() if k != "name"}
+            seen.add("function_call")
+        out["choices"].append({**c, "delta": delta})
     return out
 
 
