@@ -6,6 +6,10 @@ return code is checked here and turned into an :class:`~epikv_local.errors.Epikv
 ``KVFullError``, ``ModelError``, ``ConfigError``). A closed handle refuses every use, and a model refuses to
 close while a context on it is open (the context holds a reference to it, llama-cpp-python's
 ``_internals`` style), so no call can reach freed native memory.
+
+One module of ~770 lines on purpose: the two handles and their ownership rule (``_Owned``: in-flight calls,
+close from another thread) are one contract, and every llama.h call that touches a model or context passes
+here, where its return code becomes an exception.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ positions). Any problem is one DataError naming the file and the field; the sess
 blob that llama.cpp refuses, or that restores other cells than the header says, is undone before the error).
 Written atomically (temporary file + rename). Saving also re-lays the saved session's cells the way a restore
 does, so that the original and every restored copy continue with bit-identical logits.
+
+One module of ~830 lines on purpose: the format, its encoder and its validator must change together (a field
+the encoder writes and the validator does not check is a hole).
 """
 
 from __future__ import annotations
