@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, ArgParser, log, provenance, run_or_merge, save_json  # noqa: E402
+from benchlib import ROOT, ArgParser, log, provenance, read_records, run_or_merge, save_json  # noqa: E402
 
 PROG = "bench_accuracy"
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -63,19 +63,6 @@ def settings_of(policies: list[str], budgets: list[int], with_full: bool) -> lis
     """[(name, policy, budget)]: ``full`` first, then each policy at each budget."""
     out = [("full", "none", None)] if with_full else []
     return out + [(f"{p}@{b}", p, b) for b in budgets for p in policies]
-
-
-def read_records(records: Path) -> list[dict]:
-    """The records' lines; a torn last line (a run killed while writing) is left out."""
-    if not records.exists():
-        return []
-    out = []
-    for line in records.open(encoding="utf-8"):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def check_same_run(rows: list[dict], config: dict, records: Path) -> None:
@@ -185,9 +172,11 @@ def merge(args) -> int:
         s["vs_full"] = compare(name, full) if full and name != full else None
         ref = f"streaming@{s['budget']}/{s['prompt']}"
         s["vs_streaming"] = compare(name, ref) if s["budget"] is not None and name != ref and ref in by else None
-    doc = {**provenance("bench_accuracy.py", None), **{k: rows[0].get(k) for k in ("model", "task", "split",
-                                                                                   "max_tokens")}, "records": str(records.relative_to(ROOT)) if
-           records.resolve().is_relative_to(ROOT) else records.name, "settings": summary}
+    where = records.resolve()
+    doc = {**provenance("bench_accuracy.py", None),
+           **{k: rows[0].get(k) for k in ("model", "task", "split", "max_tokens")},
+           "records": str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else records.name,
+           "settings": summary}
     save_json(args.out, doc)
     def cell(c: dict | None) -> str:
         return f"{c['difference']:+.1%} ({c['p']:.2f})" if c else "-"

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, ArgParser, log, provenance, run_or_merge, save_json  # noqa: E402
+from benchlib import ROOT, ArgParser, log, provenance, read_records, run_or_merge, save_json  # noqa: E402
 
 PROG = "bench_recall"
 FACTS = [("code", "My locker code is {v}.", "What is my locker code? Answer with the code only.",
@@ -91,18 +91,6 @@ def run_multiturn(llm, case: dict, args) -> tuple[str, dict]:
                  {"role": "user", "content": FACTS[case["ask"]][2]}]
     out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.answer_tokens)
     return out["choices"][0]["message"].get("content") or "", out
-
-
-def read_records(records: Path) -> list[dict]:
-    """The records' lines; a torn last line (a run killed while writing) is left out."""
-    out = []
-    if records.exists():
-        for line in records.open(encoding="utf-8"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
 
 
 def run(args) -> int:

@@ -69,6 +69,20 @@ def run_or_merge(prog: str, parser: argparse.ArgumentParser, run, merge, argv: l
     return run_main(prog, main, argv)
 
 
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """The lines of a JSONL records file (none when it does not exist); a torn last line (a run killed while
+    writing it) is left out."""
+    path = Path(path)
+    out = []
+    if path.exists():
+        for line in path.open(encoding="utf-8"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
 def log(msg: str) -> None:
     """A progress line on stderr, timestamped."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

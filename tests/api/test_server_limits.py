@@ -233,16 +233,24 @@ def read_sse(sock: socket.socket, until: float) -> list[str]:
     return [ln[len(b"data: "):].decode().strip() for ln in buf.split(b"\n") if ln.startswith(b"data: ")]
 
 
-def test_row5_sigterm_during_a_long_prefill_ends_within_the_grace_period(model_path):
-    with serving(model_path, "--kv-budget", "8192") as s:
-        sock = raw_request(s.port, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 1})
+def sigterm_while_busy(model_path, path: str, body: dict, *flags) -> tuple[object, bytes, str]:
+    """Send ``body`` to ``path`` on a server of its own, SIGTERM it once the request holds the model: (the
+    server, what the client got, the server's log)."""
+    with serving(model_path, *flags) as s:
+        sock = raw_request(s.port, path, body)
         try:
-            wait_until(lambda: s.health()["busy"], 60, "the prefill to start")
-            time.sleep(0.5)
+            wait_until(lambda: s.health()["busy"], 60, "the request to hold the model")
+            time.sleep(0.4)
             assert s.stop() == 0
             answer, log = sock.recv(65536), s.stderr()
         finally:
             sock.close()
+    return s, answer, log
+
+
+def test_row5_sigterm_during_a_long_prefill_ends_within_the_grace_period(model_path):
+    s, answer, log = sigterm_while_busy(model_path, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 1},
+                                        "--kv-budget", "8192")
     assert s.stop_seconds < SHUTDOWN_GRACE_S, s.stop_seconds
     assert answer.startswith(b"HTTP/1.1 503") and b"shutting_down" in answer, answer[:300]
     assert "Traceback" not in log and "CancelledError" not in log, log
@@ -287,15 +295,8 @@ def test_row4_a_huge_prompt_is_refused_before_it_is_tokenized(model_path):
 def test_row5_sigterm_during_a_long_tokenization_ends_within_the_grace_period(model_path):
     """With the prompt limit raised so that the 3.9 MB prompt is tokenized: SIGTERM during that native call
     still ends the server within its grace period (it exits without waiting for the call)."""
-    with serving(model_path, "--max-prompt-tokens", "1000000") as s:
-        sock = raw_request(s.port, "/v1/chat/completions", HUGE_CHAT)
-        try:
-            wait_until(lambda: s.health()["busy"], 60, "the request to hold the model")
-            time.sleep(0.3)
-            assert s.stop() == 0
-            answer, log = sock.recv(65536), s.stderr()
-        finally:
-            sock.close()
+    s, answer, log = sigterm_while_busy(model_path, "/v1/chat/completions", HUGE_CHAT, "--max-prompt-tokens",
+                                        "1000000")
     assert s.stop_seconds < SHUTDOWN_GRACE_S, s.stop_seconds
     assert answer == b"" or answer.startswith(b"HTTP/1.1 503"), answer[:300]
     assert "Traceback" not in log and "CancelledError" not in log, log

@@ -4,6 +4,7 @@ come from the full-size commands in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,13 @@ def test_accuracy_bench_runs_resumes_and_merges(tmp_path):
     assert s["n"] == 2 and s["vs_full"]["n"] == 2 and 0 <= s["accuracy"] <= 1
     run(*args)  # resumed: every pair is done, nothing is added
     assert len(records.read_text().splitlines()) == 4
+    inside = REPO / "results" / f"_test_records_{os.getpid()}.jsonl"  # a records path relative to the checkout
+    try:
+        inside.write_text(records.read_text())
+        d = run("bench_accuracy.py", "--merge", "--records", inside.relative_to(REPO), "--out", out)
+        assert d["records"] == str(inside.relative_to(REPO))
+    finally:
+        inside.unlink(missing_ok=True)
 
 
 def test_recall_bench_passkey_and_multiturn(tmp_path):
