@@ -120,7 +120,7 @@ def run(args) -> int:
                 if budget is None and ext["n_evicted"]:
                     raise ConfigError(f"the full cache evicted {ext['n_evicted']} cells: raise --full-budget")
                 rec = {**config, "setting": f"{name}/{args.prompt}", "policy": policy, "budget": budget,
-                       "prompt": args.prompt, "id": p["id"], "gold": p["gold"], "answer": g.answer,
+                       "prompt": args.prompt, "id": p["id"], "answer": g.answer,  # no gold: the data stays in ../shared
                        "correct": g.correct, "empty": g.empty, "looping": g.looping,
                        "n_prompt": out["usage"]["prompt_tokens"], "n_generated": out["usage"]["completion_tokens"],
                        "finish_reason": finish, "n_evicted": ext["n_evicted"],
