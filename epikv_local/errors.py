@@ -69,6 +69,15 @@ def interrupt_handler(signum, frame):
     raise KeyboardInterrupt
 
 
+def utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; ConfigError naming ``what`` for text that is not valid Unicode (a lone surrogate, which
+    UTF-8 cannot encode, so llama.cpp could not tokenize or parse it)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} is not valid Unicode (a lone surrogate at character {e.start})") from None
+
+
 class OutputError(EpikvError, OSError):
     """Writing the command's own output (standard output or error) failed: ``target`` names the stream. Raised by
     the streams :func:`run_main` guards, so that it is told apart from every other OSError (which stays a bug).

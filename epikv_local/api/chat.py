@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..engine.handles import Model
-from ..errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError, utf8
 
 #: the fields that let an assistant turn carry no text (its tool calls are what it says)
 CALL_FIELDS = ("tool_calls", "function_call")
@@ -28,16 +28,30 @@ def tokenize_prompt(model: Model, text: str) -> list[int]:
     return model.tokenize(text, add_special=add_special, parse_special=True)
 
 
+def _texts(content) -> list | None:
+    """The texts of a message's content: [content] for a string, each part's ``text`` for a list of text parts
+    (not yet checked to be strings), None for any other shape."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return [p.get("text") for p in content]
+    return None
+
+
+def _carries_calls(message: dict) -> bool:
+    return any(message.get(k) is not None for k in CALL_FIELDS)
+
+
 def flatten_text_parts(message: dict) -> dict:
     """A message whose content is a list of text parts (``[{"type": "text", "text": ...}, ...]``), with the texts
     joined by newlines, as llama-server does for templates that take a string; the null content of a turn that
     carries tool calls as "" (OpenAI clients send it so; templates render content as text); anything else
     unchanged (:func:`content_problem` names what is wrong with it)."""
     content = message.get("content")
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return {**message, "content": "\n".join(p["text"] for p in content)}
-    if content is None and any(message.get(k) is not None for k in CALL_FIELDS):
+    texts = _texts(content) if isinstance(content, list) else None
+    if texts is not None and all(isinstance(t, str) for t in texts):
+        return {**message, "content": "\n".join(texts)}
+    if content is None and _carries_calls(message):
         return {**message, "content": ""}
     return message
 
@@ -48,19 +62,18 @@ def content_problem(message: dict) -> str | None:
     not valid Unicode (a lone surrogate cannot be encoded, so cannot be tokenized)."""
     content = message.get("content")
     if content is None:
-        if any(message.get(k) is not None for k in CALL_FIELDS):
+        if _carries_calls(message):
             return None
         return f"is {'null' if 'content' in message else 'missing'}: every message needs a string or a list of " \
                "text parts (null only beside tool_calls)"
-    texts = [content] if isinstance(content, str) else [p.get("text") for p in content] if (
-        isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)) else None
+    texts = _texts(content)
     if texts is None or not all(isinstance(t, str) for t in texts):
         return f"must be a string or a list of text parts, got {type(content).__name__}"
     for t in texts:
         try:
-            t.encode("utf-8")
-        except UnicodeEncodeError as e:
-            return f"is not valid Unicode (a lone surrogate at character {e.start})"
+            utf8(t, "")
+        except ConfigError as e:
+            return str(e).strip()
     return None
 
 
@@ -87,11 +100,3 @@ def message_problem(message: dict) -> tuple[str, str] | None:
     why": its content (:func:`content_problem`) or its tool calls (:func:`tool_calls_problem`); None when it can."""
     why = content_problem(message)
     return ("content", why) if why else tool_calls_problem(message)
-
-
-def utf8(text: str, what: str) -> bytes:
-    """``text`` as UTF-8; ConfigError naming ``what`` for text that is not valid Unicode (a lone surrogate)."""
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ConfigError(f"{what} is not valid Unicode (a lone surrogate at character {e.start})") from None

@@ -32,9 +32,9 @@ from ..engine.handles import Closing, Model
 from ..engine.native import load
 from ..engine.sampling import MAX_SEED, SamplingConfig
 from ..engine.session import Session
-from ..errors import ConfigError, EpikvError
+from ..errors import ConfigError, EpikvError, utf8
 from . import hub, responses
-from .chat import flatten_text_parts, message_problem, utf8
+from .chat import flatten_text_parts, message_problem
 from .chat_call import HandlerCall, chat_arguments, chat_steps, split_message
 from .completion import chained, check_budget, completion_chunks, fim_prompt
 from .generation import ReasoningBudget, stream_generate

@@ -16,10 +16,9 @@ import numpy as np
 
 from ..engine.handles import Context, Model
 from ..engine.sampling import MAX_SEED
-from ..errors import ConfigError
+from ..errors import ConfigError, utf8
 from . import llama_state
 from .embeddings import EMBED_N_CTX, Embedder, PoolingType, normalized, pooling_type
-from .chat import utf8
 from .llama_state import LlamaState
 from .logprobs import logits_to_logprobs as _logits_to_logprobs
 from .lowlevel import LowLevel

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, utf8
 from .handles import Closing, Model
 
 #: llama.cpp's sampler seed is a uint32
@@ -89,10 +89,7 @@ class SamplingConfig:
         if not isinstance(self.grammar_root, str) or not self.grammar_root:
             raise ConfigError(f"grammar_root must be a rule name, got {self.grammar_root!r}")
         for name in ("grammar", "grammar_root"):
-            try:
-                (getattr(self, name) or "").encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ConfigError(f"{name} is not valid Unicode (a lone surrogate at character {e.start})") from None
+            utf8(getattr(self, name) or "", name)
 
     @property
     def uses_penalties(self) -> bool:

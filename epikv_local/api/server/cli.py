@@ -21,7 +21,7 @@ DEFAULT_PORT = 8080
 SHUTDOWN_GRACE_S = 5
 #: seconds of the grace period kept for closing the Llama after uvicorn has finished its requests
 CLOSE_GRACE_S = 1
-#: seconds before the end of the grace period by which the server has closed or given up waiting (then exits)
+#: seconds before the end of the grace period at which the watchdog ends a server still running
 EXIT_MARGIN_S = 0.5
 #: the kernel send buffer of each connection (bytes; Linux doubles it). Fixed rather than autotuned (up to MBs),
 #: so that a client that reads nothing fills it, and is dropped after --stall-seconds, within a few hundred
@@ -145,22 +145,22 @@ def _serve(uvicorn, app, sock, banner: str, verbose: bool) -> None:
     import threading
 
     service = app.state.epikv
-    loop = []
+    loop, stopped_at = [], []  # the event loop; when the first SIGINT / SIGTERM came (monotonic seconds)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGINT / SIGTERM: generations stop, a prefill at its next chunk
-            if service.stop_deadline is None:  # the first signal: the grace period starts now
-                service.stop_deadline = time.monotonic() + SHUTDOWN_GRACE_S - EXIT_MARGIN_S
-                # the watchdog: whatever still runs when the grace period ends (one native call, a second
-                # signal that interrupted the close), the process ends then
-                status = 130 if sig == signal.SIGINT else 0
-                watchdog = threading.Timer(SHUTDOWN_GRACE_S - EXIT_MARGIN_S / 2, _exit_now, (status,))
+            if not stopped_at:  # the first signal: the grace period starts now, and the watchdog with it:
+                # whatever still runs when it ends (one native call, a second signal during the close) ends then
+                stopped_at.append(time.monotonic())
+                watchdog = threading.Timer(SHUTDOWN_GRACE_S - EXIT_MARGIN_S, _exit_now,
+                                           (130 if sig == signal.SIGINT else 0,))
                 watchdog.daemon = True  # a shutdown that finishes in time is not held up by it
                 watchdog.start()
             service.stopping = True
             if loop:  # a signal handler: the job is stopped from the event loop, not from here; a request still
                 # waiting for its thread when uvicorn's part of the grace ends is answered without it
-                loop[0].call_soon_threadsafe(service.shutdown, service.stop_deadline - CLOSE_GRACE_S)
+                abandon_at = stopped_at[0] + SHUTDOWN_GRACE_S - CLOSE_GRACE_S - EXIT_MARGIN_S
+                loop[0].call_soon_threadsafe(service.shutdown, abandon_at)
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
@@ -169,15 +169,15 @@ def _serve(uvicorn, app, sock, banner: str, verbose: bool) -> None:
             if not self.should_exit:
                 print(banner, file=sys.stderr, flush=True)
 
-    # uvicorn's part of the grace period; the rest is for the Llama to close (run's finally)
+    # uvicorn's part of the grace period; the rest is for the Llama to close (run's finally), until the watchdog
     config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
                             lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S - CLOSE_GRACE_S)
     Server(config).run(sockets=[sock])
 
 
 def _exit_now(status: int) -> None:
-    """End the process at once: one native call (tokenizing megabytes) is still inside the model after the
-    grace period and cannot be interrupted. Nothing is left half-written (the server writes no files); the
+    """End the process at once (the shutdown watchdog, when the grace period ends with the server still
+    running): one native call (tokenizing megabytes) can outlast every cancel. Nothing is left half-written (the server writes no files); the
     operating system frees the model's memory."""
     print(f"epikv-local: a request was still inside the model after the {SHUTDOWN_GRACE_S} s grace period; "
           "exiting without waiting for it", file=sys.stderr)
@@ -226,10 +226,8 @@ def run(args) -> int:
         finally:
             if app is None:
                 llama.close()
-            else:  # after a generation thread still inside the Llama stops, within what is left of the grace
-                deadline = app.state.epikv.stop_deadline
-                if not app.state.epikv.close(timeout=None if deadline is None else deadline - time.monotonic()):
-                    _exit_now(130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 0)
+            else:
+                app.state.epikv.close()  # after a generation thread still inside the Llama stops
     finally:
         sock.close()
         signal.signal(signal.SIGTERM, previous)

@@ -49,7 +49,6 @@ class Service:
         self._borrowers = threading.Condition()  # short calls (tokenize) that use the model beside a generation
         self._n_borrowers = 0
         self.stopping = False  # set on SIGINT / SIGTERM: running generations stop, new requests get 503
-        self.stop_deadline: float | None = None  # set with it: when waiting for a generation thread ends (monotonic)
         self.n_served = 0
         self.n_cancelled = 0
         self.tokens_generated = 0
@@ -159,21 +158,12 @@ class Service:
                 self._n_borrowers -= 1
                 self._borrowers.notify_all()
 
-    def close(self, timeout: float | None = None) -> bool:
+    def close(self) -> None:
         """Close the Llama once no generation or short call is inside it (a running generation stops at its next
-        step, a prefill at its next chunk). ``timeout``: seconds to wait for that at most (None: no limit).
-        False when a call was still inside the model at the end: one native call (a tokenization of megabytes)
-        cannot be interrupted, and the Llama is left open (the caller exits the process without freeing it)."""
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        left = (lambda: None) if deadline is None else (lambda: max(0.0, deadline - time.monotonic()))
+        step, a prefill at its next chunk). One native call (tokenizing megabytes) cannot be interrupted: at a
+        shutdown the CLI's watchdog ends the process when the grace period ends, whatever still waits here."""
         self.shutdown()
         with self._borrowers:
-            if not self._borrowers.wait_for(lambda: self._n_borrowers == 0, timeout=left()):
-                return False
-        if not self.busy_lock.acquire(timeout=-1 if deadline is None else left()):
-            return False
-        try:
+            self._borrowers.wait_for(lambda: self._n_borrowers == 0)
+        with self.busy_lock:
             self.llama.close()
-        finally:
-            self.busy_lock.release()
-        return True
