@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, ArgParser, log, provenance, read_records, run_or_merge, save_json  # noqa: E402
+from benchlib import (ROOT, ArgParser, append_record, csv_of, log, provenance, read_records,  # noqa: E402
+                      run_or_merge, save_json)
 
 PROG = "bench_accuracy"
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -90,7 +91,7 @@ def run(args) -> int:
     if not problems:
         raise ConfigError("no problems selected (check --task, --split, --levels, --offset, --limit)")
     records = Path(args.records)
-    records.parent.mkdir(parents=True, exist_ok=True)
+    append_record(records, None)
     config = {"model": Path(model).name, "task": args.task, "split": args.split, "max_tokens": args.max_tokens}
     rows = read_records(records)
     check_same_run(rows, config, records)
@@ -126,8 +127,7 @@ def run(args) -> int:
                        "finish_reason": finish, "n_evicted": ext["n_evicted"],
                        "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2),
                        "text": text if args.keep_text else None}
-                with records.open("a", encoding="utf-8") as f:  # one whole line per outcome: resumable
-                    f.write(json.dumps(rec) + "\n")
+                append_record(records, rec)  # one whole line per outcome: resumable
                 log(f"  {p['id']}: {'right' if g.correct else 'wrong'} ({g.answer!r:.30} vs {p['gold']!r:.30}), "
                     f"{rec['n_generated']} tokens, {rec['n_evicted']} evicted, {rec['seconds']} s")
     return merge(args) if args.out else 0
@@ -194,12 +194,12 @@ def parser() -> ArgParser:
                    "../shared/models/fetch.sh qwen2.5-coder-0.5b prints)")
     p.add_argument("--task", choices=["gsm8k", "math"], default="gsm8k")
     p.add_argument("--split", choices=["dev", "test"], default="dev", help="GSM8K split (MATH-500: test)")
-    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3],
+    p.add_argument("--levels", type=csv_of(int, "--levels"), default=[1, 2, 3],
                    help="MATH levels (default 1,2,3)")
     p.add_argument("--offset", type=int, default=0, help="skip the first N problems of the split")
     p.add_argument("--limit", type=int, default=None, help="at most N problems")
-    p.add_argument("--policies", type=lambda s: [x for x in s.split(",") if x], default=["streaming", "epikv"])
-    p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",") if x], default=[192])
+    p.add_argument("--policies", type=csv_of(str, "--policies"), default=["streaming", "epikv"])
+    p.add_argument("--budgets", type=csv_of(int, "--budgets"), default=[192])
     p.add_argument("--prompt", choices=["protected", "counted"], default="protected",
                    help="protected: the prompt is kept outside the eviction (the product's default); counted: it "
                         "counts against the budget (the papers' setting)")

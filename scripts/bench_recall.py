@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, ArgParser, log, provenance, read_records, run_or_merge, save_json  # noqa: E402
+from benchlib import (ROOT, ArgParser, append_record, csv_of, log, provenance, read_records,  # noqa: E402
+                      run_or_merge, save_json)
 
 PROG = "bench_recall"
 FACTS = [("code", "My locker code is {v}.", "What is my locker code? Answer with the code only.",
@@ -100,7 +101,7 @@ def run(args) -> int:
 
     model = args.model or str(default_model_path())
     records = Path(args.records)
-    records.parent.mkdir(parents=True, exist_ok=True)
+    append_record(records, None)
     rows = read_records(records)
     config = {"model": Path(model).name, "task": args.task, "context": args.context if args.task == "passkey" else None,
               "filler_tokens": args.filler_tokens if args.task == "multiturn" else None}
@@ -128,8 +129,7 @@ def run(args) -> int:
                        **case, "want": want, "answer": answer[:200],
                        "correct": want.lower() in answer.lower(), "n_evicted": ext["n_evicted"],
                        "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2)}
-                with records.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(rec) + "\n")
+                append_record(records, rec)
                 log(f"  {case['id']}: {'right' if rec['correct'] else 'wrong'} ({answer[:40]!r} vs {want!r}), "
                     f"{rec['n_evicted']} evicted, {rec['seconds']} s")
     return merge(args) if args.out else 0
@@ -174,10 +174,10 @@ def parser() -> ArgParser:
     p = ArgParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", help="GGUF model (default: the default model)")
     p.add_argument("--task", choices=["passkey", "multiturn"], default="passkey")
-    p.add_argument("--policies", type=lambda s: [x for x in s.split(",") if x], default=["streaming", "epikv"])
-    p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",") if x], default=[256])
+    p.add_argument("--policies", type=csv_of(str, "--policies"), default=["streaming", "epikv"])
+    p.add_argument("--budgets", type=csv_of(int, "--budgets"), default=[256])
     p.add_argument("--context", type=int, default=1024, help="passkey: tokens of context (>= 4 x the budget)")
-    p.add_argument("--depths", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    p.add_argument("--depths", type=csv_of(float, "--depths"), default=[0.1, 0.3, 0.5, 0.7, 0.9])
     p.add_argument("--seeds", type=int, default=4, help="cases per depth (passkey) or conversations (multiturn)")
     p.add_argument("--filler-tokens", type=int, default=200, help="multiturn: tokens of each long answer")
     p.add_argument("--answer-tokens", type=int, default=16)

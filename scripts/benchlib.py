@@ -48,7 +48,7 @@ def save_json(path: str | os.PathLike | None, doc: dict) -> None:
     from epikv_local.eval.io import write_atomic
 
     if path:
-        write_atomic(path, json.dumps(doc, indent=2) + "\n")
+        write_atomic(path, json.dumps(doc, indent=2) + "\n", what="result file", error=ConfigError)
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -69,18 +69,54 @@ def run_or_merge(prog: str, parser: argparse.ArgumentParser, run, merge, argv: l
     return run_main(prog, main, argv)
 
 
-def read_records(path: str | os.PathLike) -> list[dict]:
-    """The lines of a JSONL records file (none when it does not exist); a torn last line (a run killed while
-    writing it) is left out."""
+def read_records(path: str | os.PathLike, required: tuple[str, ...] = ("setting", "id", "correct")) -> list[dict]:
+    """The records of a JSONL records file (none when it does not exist). A torn last line (a run killed while
+    writing it) is left out; any other line that is not a record with the ``required`` keys is one ConfigError
+    naming it."""
     path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the records file {path}: {getattr(e, 'strerror', None) or e}") from None
     out = []
-    if path.exists():
-        for line in path.open(encoding="utf-8"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if n == len(lines):
                 continue
+            rec = None
+        if not isinstance(rec, dict) or any(k not in rec for k in required):
+            raise ConfigError(f"line {n} of {path} is not a record of this benchmark (a JSON object with "
+                              f"{', '.join(required)})")
+        out.append(rec)
     return out
+
+
+def append_record(path: str | os.PathLike, record: dict | None) -> None:
+    """Append ``record`` to a JSONL records file as one whole line (its folder made first; None: only check
+    that it can be written, before a run spends minutes on its first outcome); a path that cannot be written is
+    one ConfigError line."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as f:
+            if record is not None:
+                f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        raise ConfigError(f"cannot write the records file {path}: {e.strerror or e}") from None
+
+
+def csv_of(kind, what: str):
+    """An argparse type: comma-separated values of ``kind`` (int, float, str), empty items dropped."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: comma-separated {kind.__name__} values, got {text!r}") from None
+    return parse
 
 
 def log(msg: str) -> None:

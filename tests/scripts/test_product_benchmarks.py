@@ -105,3 +105,15 @@ def test_recall_bench_passkey_and_multiturn(tmp_path):
     d = run("bench_recall.py", "--data", data, "--task", "multiturn", "--filler-tokens", "8", "--budgets", "160",
             "--policies", "streaming", "--seeds", "1", "--records", tmp_path / "m.jsonl", "--out", tmp_path / "m.json")
     assert set(d["settings"]) == {"full", "streaming@160"}
+
+
+@pytest.mark.parametrize("script", ["bench_accuracy.py", "bench_recall.py"])
+def test_accuracy_and_recall_bad_input_is_one_line(tmp_path, script):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"x": 1}\n')
+    for args in (["--budgets", "1,a", "--records", tmp_path / "r.jsonl"], ["--records", "/proc/nope/r.jsonl"],
+                 ["--merge", "--records", bad]):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / script), *map(str, args)], capture_output=True,
+                           text=True, timeout=120, cwd=REPO)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+        assert "Traceback" not in r.stderr
