@@ -44,6 +44,7 @@ from .lowlevel import grammar_text
 from .reasoning import CLOSE, FORMATS, prompt_opens_thinking
 from .responses import ChunkStep, extension  # noqa: F401  (extension: this module's name for it, kept)
 from .session_spec import resolve_session
+from .slots import Slots, fan_out
 from .streams import Stream, primed
 
 #: sampling defaults for reasoning models (DeepSeek-R1 / Qwen3 model cards) when the caller sets none
@@ -117,7 +118,7 @@ class Llama(LlamaExtras, Closing):
                  reasoning_format: str = "deepseek", reasoning_budget: int = -1, capture_route: str = "layer_out",
                  rpc_servers: str | list[str] | None = None, max_prompt_tokens: int | None = None,
                  last_n_tokens_size: int = LAST_N_TOKENS_SIZE, spm_infill: bool = False,
-                 pooling_type: int | str | None = None, **kwargs: Any):
+                 pooling_type: int | str | None = None, n_parallel: int = 1, **kwargs: Any):
         unknown = sorted(set(kwargs) - set(IGNORED_ARGS) - set(REFUSED_ARGS))
         if unknown:
             raise TypeError(f"Llama() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
@@ -148,6 +149,9 @@ class Llama(LlamaExtras, Closing):
             raise ConfigError(f"max_prompt_tokens must be an integer >= 1 or None, got {max_prompt_tokens!r}")
         if isinstance(last_n_tokens_size, bool) or not isinstance(last_n_tokens_size, int) or last_n_tokens_size < -1:
             raise ConfigError(f"last_n_tokens_size must be an integer >= -1 (-1: all), got {last_n_tokens_size!r}")
+        if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or not 1 <= n_parallel <= 256:
+            raise ConfigError(f"n_parallel must be an integer in 1..256, got {n_parallel!r}")
+        self.n_parallel = n_parallel
         if pooling_type is not None:
             from .embeddings import pooling_type as check_pooling
 
@@ -175,11 +179,30 @@ class Llama(LlamaExtras, Closing):
             nat = load(verbose=verbose)
             self._model = stack.enter_context(Model(model_path, n_gpu_layers=n_gpu_layers, native=nat,
                                                     rpc_servers=rpc_servers))
-            self._session = stack.enter_context(spec.open(self._model))
+            self._slots = None
+            if n_parallel == 1:
+                self._session = stack.enter_context(spec.open(self._model))
+            else:  # one context, n_parallel sequences decoded together; each call leases one (api/slots.py)
+                pool = stack.enter_context(spec.open_pool(self._model, n_parallel))
+                self._session = pool.open()
+                self._slots = Slots(pool, self._session)
             self._stack = stack.pop_all()
         if max_prompt_tokens is not None:
             self._model.max_piece_bytes()  # once, now rather than in the first request
         self.chat_format, self.chat_handler = self._chat_handler(chat_format, chat_handler)
+
+    def _choice_seed(self, seed: int | None, i: int) -> int | None:
+        """Choice i's seed: the call's (or the Llama's fixed) seed + i; None (a random seed per call) stays."""
+        seed = self.seed if seed is None else seed
+        return None if seed == LLAMA_DEFAULT_SEED else (seed + i) % MAX_SEED
+
+    @staticmethod
+    def _n_choices(n, stream: bool) -> int:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
+            raise ConfigError(f"n must be an integer in 1..128, got {n!r}")
+        if n > 1 and stream:
+            raise ConfigError("n > 1 with stream=True is not supported: stream one answer per call")
+        return n
 
     # -- construction helpers ----------------------------------------------------------------------------------
     def _chat_handler(self, chat_format, chat_handler):
@@ -279,6 +302,28 @@ class Llama(LlamaExtras, Closing):
         """Stop the call in progress from any thread: its stream raises CancelledError before its next decode
         step (a long prompt stops within one ``n_batch`` chunk of its prefill). No effect when none runs."""
         self.session.cancel()
+
+    def cancel_thread(self, thread_id: int) -> None:
+        """With ``n_parallel`` > 1: stop the call that thread ``thread_id`` runs (the others go on)."""
+        if self._slots is None:
+            self.cancel()
+        else:
+            self._slots.cancel_thread(thread_id)
+
+    def set_client(self, client) -> None:
+        """With ``n_parallel`` > 1: this thread's calls run for ``client`` (any hashable; None: anyone), and
+        reuse or branch only sequences holding that client's conversation (a server's privacy rule)."""
+        if self._slots is not None:
+            self._slots.set_client(client)
+
+    def slots(self) -> list[dict]:
+        """Per sequence: id, state, live cells, budget, evictions, positions, whether a call holds it."""
+        if self._slots is None:
+            st = self.session.stats()
+            return [{"id": 0, "state": "generating" if self.session._generating else "idle", "n_live": st.n_live,
+                     "kv_budget": st.kv_budget, "n_evicted": st.n_evicted, "n_past": st.n_past,
+                     "leased": self.session._generating}]
+        return self._slots.snapshot()
 
     def reset(self) -> None:
         """Forget the conversation: the next call starts a new sequence."""
@@ -397,11 +442,19 @@ class Llama(LlamaExtras, Closing):
                           stream: bool = False, seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
                           mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
                           stopping_criteria=None, logits_processor=None, grammar=None, logit_bias=None,
-                          reasoning_budget: int | None = None):
+                          reasoning_budget: int | None = None, n: int = 1):
         """Complete ``prompt`` (text or token ids). Returns a completion dict, or an iterator of chunks with
         ``stream=True``. Sampling defaults suit reasoning models (temperature 0.6, top-p 0.95) and
         ``max_tokens=None`` lets the generation run to its end: the KV budget bounds memory, not length.
-        The other arguments mean what they mean in llama-cpp-python (see :meth:`completion_steps`)."""
+        n: answers to sample (OpenAI's ``n``; choice i uses seed + i when a seed is given), in parallel
+        sequences sharing the prompt's cells with ``n_parallel`` >= n, else one after another; not with
+        ``stream=True``. The other arguments mean what they mean in llama-cpp-python (see
+        :meth:`completion_steps`)."""
+        if self._n_choices(n, stream) > 1:
+            args = dict(locals())
+            for k in ("self", "n", "stream", "__class__"):
+                args.pop(k, None)
+            return fan_out(n, lambda i: self.create_completion(**dict(args, seed=self._choice_seed(seed, i))), self._slots)
         steps = self.completion_steps(
             prompt, suffix=suffix, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
             typical_p=typical_p, logprobs=logprobs, echo=echo, stop=stop, frequency_penalty=frequency_penalty,
@@ -465,21 +518,29 @@ class Llama(LlamaExtras, Closing):
         reasoning = self._reasoning(reasoning_budget, opens)
         processor = chained(logits_processor, "logits_processor")
         criteria = chained(stopping_criteria, "stopping_criteria")
-        with self._lock:
-            self._generation += 1
-            self._close_active()
-        if getattr(self, "cache", None) is not None:  # llama-cpp-python's prompt cache (set_cache)
-            self._cache_lookup(tokens)
-        items = stream_generate(session, tokens, max_tokens, sampling, tuple(stops), reuse_prefix=True,
-                                stopping_criteria=criteria, logits_processor=processor,
-                                want_logits=logprobs is not None, reasoning=reasoning)
+        if self._slots is None:
+            with self._lock:
+                self._generation += 1
+                self._close_active()
+            if getattr(self, "cache", None) is not None:  # llama-cpp-python's prompt cache (set_cache)
+                self._cache_lookup(tokens)
         echo_text = (prompt_text if prompt_text is not None
                      else self.detokenize(list(prompt)).decode("utf-8", "replace")) if echo else ""
         lp = CompletionLogprobs(self._model, logprobs, len(prompt)) if logprobs is not None else None
         on_done = (lambda generated: self._cache_store(tokens + generated)) if getattr(self, "cache", None) \
-            is not None else None  # as llama-cpp-python: the cache keeps the state of prompt + completion
+            is not None and self._slots is None else None  # as llama-cpp-python: prompt + completion is cached
+        if self._slots is not None:  # n_parallel > 1: a sequence of its own, given back when the stream ends
+            session = self._slots.lease(tokens)
+        items = stream_generate(session, tokens, max_tokens, sampling, tuple(stops), reuse_prefix=True,
+                                stopping_criteria=criteria, logits_processor=processor,
+                                want_logits=logprobs is not None, reasoning=reasoning)
+        if self._slots is not None:
+            items = self._slots.holding(session, items)
         steps = Stream(primed(completion_chunks(items, model or self.model_path, echo_text, lp, on_done)))
-        self._active = steps
+        if self._slots is None:
+            self._active = steps
+        else:
+            self._slots.primed()
         return steps
 
     # -- chat --------------------------------------------------------------------------------------------------------
@@ -492,13 +553,19 @@ class Llama(LlamaExtras, Closing):
                                mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
                                model: str | None = None, logits_processor=None, grammar=None, logit_bias=None,
                                logprobs: bool | None = None, top_logprobs: int | None = None,
-                               reasoning_budget: int | None = None):
+                               reasoning_budget: int | None = None, n: int = 1):
         """A chat turn in OpenAI's shape (``choices[0].message`` or streamed ``delta``s), rendered by the chat
         handler of this model; reasoning is split into ``reasoning_content``. The conversation's common prefix
         with the previous call stays in the cache. ``response_format`` (json_object, json_schema) and
         ``tools`` / ``functions`` become grammars in the handler; a named ``tool_choice`` returns
         ``tool_calls``; ``logprobs=True`` (with ``top_logprobs``) gives chat logprobs. reasoning_budget: as in
-        :meth:`completion_steps`."""
+        :meth:`completion_steps`. n: answers to sample, as in :meth:`create_completion`."""
+        if self._n_choices(n, stream) > 1:
+            args = dict(locals())
+            for k in ("self", "n", "stream", "__class__"):
+                args.pop(k, None)
+            return fan_out(n, lambda i: self.create_chat_completion(**dict(args, seed=self._choice_seed(seed, i))),
+                           self._slots)
         kwargs = dict(functions=functions, function_call=function_call, tools=tools, tool_choice=tool_choice,
                       temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
                       stop=stop, seed=seed, response_format=response_format, max_tokens=max_tokens,

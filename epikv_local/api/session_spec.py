@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..engine.budget import DEFAULT_KV_BUDGET, BudgetConfig
 from ..engine.handles import Model
+from ..engine.pool import SequencePool
 from ..engine.session import Session, SessionConfig, check_policy_fits
 from ..policies.base import Policy
 from .calibration import CalibrationResult, resolve_policy
@@ -35,6 +36,11 @@ class SessionSpec:
     def open(self, model: Model, record: bool = False) -> Session:
         """A new Session of ``model`` with this spec (the caller owns it: ``with`` or ``close()``)."""
         return Session(model, self.policy, self.budget, self.config, record=record)
+
+    def open_pool(self, model: Model, n_seq: int) -> SequencePool:
+        """A new pool of ``n_seq`` sequences of ``model`` with this spec, each with this budget (the caller owns
+        it); ``pool.open()`` leases a session of it."""
+        return SequencePool(model, self.policy, self.budget, self.config, n_seq=n_seq)
 
 
 def resolve_session(model_path: str | os.PathLike | None, *, kv_budget: int = DEFAULT_KV_BUDGET,

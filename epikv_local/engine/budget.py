@@ -112,10 +112,12 @@ class EngineStats:
 
 
 class EvictionEngine:
-    """Tracks the live positions of sequence 0 of ``ctx`` and evicts with ``policy`` under ``cfg``."""
+    """Tracks the live positions of sequence ``seq_id`` of ``ctx`` and evicts with ``policy`` under ``cfg``; it
+    never removes a cell of another sequence (a cell shared with one, after ``seq_copy``, stays theirs)."""
 
-    def __init__(self, ctx: KVContext, policy: Policy, cfg: BudgetConfig, record: bool = False):
+    def __init__(self, ctx: KVContext, policy: Policy, cfg: BudgetConfig, record: bool = False, seq_id: int = 0):
         self.ctx = ctx
+        self.seq_id = seq_id
         self.policy = policy
         self.cfg = cfg
         self.record = record
@@ -186,7 +188,7 @@ class EvictionEngine:
         sequence resumes after the newest live position below ``pos``: returns that next position (<= pos)."""
         pos = max(0, int(pos))
         if pos <= self.newest:
-            self.ctx.seq_rm_range(pos, -1)
+            self.ctx.seq_rm_range(pos, -1, self.seq_id)
             gone = self._alive[pos: self.newest + 1]
             self.n_live -= int(gone.sum())
             gone[:] = False
@@ -226,6 +228,13 @@ class EvictionEngine:
         return out
 
     # -- saving and restoring ----------------------------------------------------------------------------
+    def copy_from(self, other: "EvictionEngine") -> None:
+        """Take ``other``'s bookkeeping (a branch of its sequence: ``Session.fork``); the counts start afresh."""
+        self._alive = other._alive.copy()
+        self.n_live, self.newest, self.prompt_end = other.n_live, other.newest, other.prompt_end
+        self.recent_window = other.recent_window
+        self.stats.max_live = other.n_live
+
     def snapshot(self) -> dict:
         """The bookkeeping as plain JSON data: live positions, newest, prompt end, recent window, counts."""
         return {"live": self.live_positions().tolist(), "newest": int(self.newest), "prompt_end": self.prompt_end,
@@ -253,7 +262,7 @@ class EvictionEngine:
         prot = self.protected(pos, incoming)
         victims = select_evictions(pos, scores, prot, n)
         if len(victims):
-            removed = self.ctx.seq_rm_positions(victims)
+            removed = self.ctx.seq_rm_positions(victims, self.seq_id)
             if removed != len(victims):
                 raise RuntimeError(f"llama.cpp removed {removed} cells for {len(victims)} evicted positions")
             self._alive[victims] = False

@@ -143,16 +143,22 @@ class LayerOutCapture:
             ctx.set_layer_capture(il, True, CAPTURE_OUT)
         self._prev: list[np.ndarray | None] = [None] * len(self.layers)
 
-    def after_decode(self, n_tokens: int) -> np.ndarray:
-        """g of the n_tokens just decoded: (n_tokens, len(layers)) float64."""
-        out = np.empty((n_tokens, len(self.layers)), dtype=np.float64)
+    def after_decode(self, n_tokens: int, rows: slice | None = None, prev: list | None = None) -> np.ndarray:
+        """g of the n_tokens just decoded: (n_tokens, len(layers)) float64; with ``rows``, of those rows of the
+        decode only (the tokens of one sequence in a batch of several), continuing from ``prev`` (that
+        sequence's last row per layer, updated in place; None: this capture's own, the single-sequence case)."""
+        prev = self._prev if prev is None else prev
+        sl = slice(0, n_tokens) if rows is None else rows
+        n = len(range(*sl.indices(n_tokens)))
+        out = np.empty((n, len(self.layers)), dtype=np.float64)
         for j, il in enumerate(self.layers):
-            rows = self.ctx.layer_out(il, n_tokens)
-            if rows is None:
+            got = self.ctx.layer_out(il, n_tokens)
+            if got is None:
                 raise NativeError(f"architecture {self.arch!r} has no l_out-{il} tensor in its graph: EPIKV capture "
                                   "is not supported for it")
-            out[:, j] = diff_norms(rows, self._prev[j])
-            self._prev[j] = rows[-1].copy()
+            got = got[sl]
+            out[:, j] = diff_norms(got, prev[j])
+            prev[j] = got[-1].copy()
         return out
 
     def reset(self) -> None:
@@ -200,12 +206,13 @@ class KeyCapture:
         for il in self.key_layers:
             ctx.set_layer_capture(il, True, self.kind)
 
-    def after_decode(self, n_tokens: int) -> np.ndarray:
-        """(n_tokens, len(key_layers), row) float32, a copy (row = d_k for keys, d_q for queries)."""
-        rows = [self.ctx.layer_capture(il, n_tokens, self.kind) for il in self.key_layers]
-        if any(r is None for r in rows):
+    def after_decode(self, n_tokens: int, rows: slice | None = None) -> np.ndarray:
+        """(n_tokens, len(key_layers), row) float32, a copy (row = d_k for keys, d_q for queries); with
+        ``rows``, of those rows of the decode only."""
+        got = [self.ctx.layer_capture(il, n_tokens, self.kind) for il in self.key_layers]
+        if any(r is None for r in got):
             raise NativeError(f"architecture {self.arch!r} names no {self.tensor} tensor: capture fails")
-        return np.stack(rows, axis=1)
+        return np.stack([r if rows is None else r[rows] for r in got], axis=1)
 
 
 class QueryCapture(KeyCapture):
@@ -283,18 +290,28 @@ class Capture:
         self.flash_attn: bool | None = None  # known after the first decode when probed
         self.graph_nodes: list[tuple[str, str]] = []
 
-    def observe(self, positions: np.ndarray) -> Observation:
-        """The Observation of the decode that just wrote ``positions`` (T,)."""
-        n = len(positions)
+    @property
+    def per_sequence(self) -> bool:
+        """Whether one decode can carry several sequences' tokens: the layer_out route and the keys / queries
+        keep their running state per sequence (:class:`SequenceCapture`); the callback route (its C handle keeps
+        one previous row) and the attention readback (one matrix per decode) serve one sequence."""
+        return not self.plan.uses_callback_g and not self.plan.attention_layers
+
+    def observe(self, positions: np.ndarray, rows: slice | None = None, n_total: int | None = None,
+                prev: list | None = None) -> Observation:
+        """The Observation of the decode that just wrote ``positions`` (T,): rows ``rows`` of a decode of
+        ``n_total`` tokens (None: all of them), continuing the sequence's previous residual rows ``prev``."""
+        n_total = len(positions) if n_total is None else n_total
         if self.flash_attn is None and self.plan.probe:
             self._finish_probe()
         obs = Observation(positions=positions)
         if self.g is not None:
-            obs.g = self.g.after_decode(n)
+            obs.g = (self.g.after_decode(n_total, rows, prev) if isinstance(self.g, LayerOutCapture)
+                     else self.g.after_decode(n_total))
         if self.keys is not None:
-            obs.keys = self.keys.after_decode(n)
+            obs.keys = self.keys.after_decode(n_total, rows)
         if self.queries is not None:
-            obs.queries = self.queries.after_decode(n)
+            obs.queries = self.queries.after_decode(n_total, rows)
         if self.plan.attention_layers:
             recv, last, _ = self.handle.take_attention()
             obs.cell_pos = self.ctx.cell_positions()
@@ -326,3 +343,47 @@ class Capture:
     def reset(self) -> None:
         if self.g is not None:
             self.g.reset()
+
+
+class SequenceCapture:
+    """One sequence's view of a context's :class:`Capture`: the running state (the previous residual row of
+    each captured layer) is the sequence's own, so sequences sharing one decode never mix their g."""
+
+    def __init__(self, shared: Capture):
+        self.shared = shared
+        self.plan = shared.plan
+        self._prev = [None] * len(shared.g.layers) if isinstance(shared.g, LayerOutCapture) else None
+
+    @property
+    def flash_attn(self) -> bool | None:
+        return self.shared.flash_attn
+
+    @property
+    def graph_nodes(self) -> list[tuple[str, str]]:
+        return self.shared.graph_nodes
+
+    def check_flash_attn(self, requested: bool) -> None:
+        self.shared.check_flash_attn(requested)
+
+    def observe(self, positions: np.ndarray, rows: slice | None = None, n_total: int | None = None) -> Observation:
+        """This sequence's Observation of the last decode (its rows ``rows`` of ``n_total``; see Capture)."""
+        return self.shared.observe(positions, rows, n_total, self._prev)
+
+    def state(self) -> list[np.ndarray | None] | None:
+        """The running state a saved sequence needs to continue (the previous residual rows of the layer_out
+        route); None when the capture keeps none in Python (the callback route keeps it in C and restarts)."""
+        return None if self._prev is None else [None if r is None else r.copy() for r in self._prev]
+
+    def set_state(self, state: list[np.ndarray | None] | None) -> None:
+        """Continue from :meth:`state` of a capture with the same plan."""
+        if state is None or self._prev is None:
+            return
+        if len(state) != len(self._prev):
+            raise ValueError(f"{len(state)} rows for {len(self._prev)} captured layers")
+        self._prev[:] = [None if r is None else np.array(r, dtype=np.float32) for r in state]
+
+    def reset(self) -> None:
+        if self._prev is None:
+            self.shared.reset()  # the callback route's C state (one sequence per context)
+        else:
+            self._prev[:] = [None] * len(self._prev)

@@ -524,9 +524,12 @@ class Context(_Owned):
     # -- decode -----------------------------------------------------------------------------------------
     @native_call
     def decode(self, tokens: list[int], positions: list[int] | np.ndarray, logits_last: bool = True,
-               logits_all: bool = False, seq_id: "int | list[int] | np.ndarray" = 0) -> None:
+               logits_all: bool = False, seq_id: "int | list[int] | np.ndarray" = 0,
+               outputs: "list[bool] | None" = None) -> None:
         """Decode tokens at the given positions of ``seq_id`` (positions need not be dense). ``seq_id`` may be
-        one id per token: one batch then extends several sequences (e.g. counterfactual branches).
+        one id per token: one batch then extends several sequences (e.g. counterfactual branches, or the
+        streams of a ``SequencePool``). ``outputs``: one flag per token, which tokens get an output row
+        (overrides ``logits_last`` / ``logits_all``).
 
         Raises KVFullError when no KV slot was found (llama_decode returned 1 after the kv-full hook),
         NativeError on any other failure, ValueError on bad arguments.
@@ -540,13 +543,18 @@ class Context(_Owned):
         seqs = [int(seq_id)] * n if isinstance(seq_id, (int, np.integer)) else [int(x) for x in seq_id]
         if len(seqs) != n:
             raise ConfigError(f"{n} tokens but {len(seqs)} sequence ids")
+        if outputs is not None and len(outputs) != n:
+            raise ConfigError(f"{n} tokens but {len(outputs)} output flags")
         b = self._batch
         for i in range(n):
             b.token[i] = int(tokens[i])
             b.pos[i] = int(positions[i])
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = seqs[i]
-            b.logits[i] = 1 if (logits_all or (logits_last and i == n - 1)) else 0
+            if outputs is not None:
+                b.logits[i] = 1 if outputs[i] else 0
+            else:
+                b.logits[i] = 1 if (logits_all or (logits_last and i == n - 1)) else 0
         b.n_tokens = n
         with self.nat.deferred_interrupt():
             rc = self.nat.llama.llama_decode(handle, b)

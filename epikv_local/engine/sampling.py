@@ -9,8 +9,11 @@ mirostat 1 / 2, or top-k, typical, top-p, min-p, temperature and a seeded draw.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import ConfigError, utf8
 from .handles import Closing, Model
@@ -171,11 +174,33 @@ class Sampler(Closing):
             for t in tokens:
                 self.ll.llama_sampler_accept(penalties, int(t))
 
-    def sample(self, ctx_handle) -> int:
-        """The next token from the last output row of the context's last decode (accepted by the chain)."""
+    def sample(self, ctx_handle, idx: int = -1) -> int:
+        """The next token from output row ``idx`` of the context's last decode (llama.h's batch index; -1: the
+        last output), accepted by the chain."""
         if self.chain is None:
             raise ConfigError("sampler is closed")
-        return int(self.ll.llama_sampler_sample(self.chain, ctx_handle, -1))
+        return int(self.ll.llama_sampler_sample(self.chain, ctx_handle, idx))
+
+    def sample_row(self, logits: np.ndarray) -> int:
+        """The next token from a kept (n_vocab,) float32 row of logits (the context has decoded since): what
+        ``llama_sampler_sample`` does with a context's row (every token a candidate, the chain applied, the
+        selected token accepted), so both give the same token for the same row and chain state."""
+        if self.chain is None:
+            raise ConfigError("sampler is closed")
+        ll = self.ll
+        n = len(logits)
+        data = (ll.llama_token_data * n)()
+        view = np.ctypeslib.as_array(data)
+        view["id"] = np.arange(n, dtype=np.int32)
+        view["logit"] = logits
+        view["p"] = 0.0
+        cur = ll.llama_token_data_array(data=data, size=n, selected=-1, sorted=False)
+        ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
+        if not 0 <= cur.selected < n:
+            raise ConfigError(f"the sampler chain selected no token (selected={cur.selected})")
+        token = int(data[cur.selected].id)
+        ll.llama_sampler_accept(self.chain, token)
+        return token
 
     def close(self) -> None:
         if getattr(self, "chain", None) is not None:

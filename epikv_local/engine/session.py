@@ -1,10 +1,12 @@
-"""A session: one budget-sized context, the capture a policy asked for, and the eviction engine.
+"""A session: one sequence inside its own KV budget, its policy, its capture state and its eviction engine.
 
-``Session`` owns the native objects it creates (capture handle, context) through one ``ExitStack`` and
-releases them in reverse order on ``close()``; the ``Model`` stays owned by the caller (and refuses to close
-while the session is open). It is the only place that decodes for generation: :meth:`Session.feed` decodes
-tokens in chunks, evicting first, and hands each decode's :class:`Observation` to the policy. Callers use its
-methods (``begin_prompt``, ``feed``, ``logits``, ``stats``, ``reset``), not its parts.
+A session is one sequence of a :class:`~epikv_local.engine.pool.SequencePool` (one context, N sequences
+decoded together). ``Session(model, policy, budget)`` creates a pool of one and owns it (context and capture
+handle, released by ``close()``); ``pool.open()`` leases a further sequence of a shared pool (``close()`` gives
+it back). The ``Model`` stays owned by the caller (and refuses to close while a context is open). It is the
+only place that decodes for generation: :meth:`Session.feed` decodes tokens in chunks, evicting first, and
+hands each decode's :class:`Observation` to the policy. Callers use its methods (``begin_prompt``, ``feed``,
+``logits``, ``sample``, ``stats``, ``reset``, ``fork``), not its parts.
 
 One session serves one generation at a time: a second thread entering while a call runs, or a second
 generation started while one is in progress (:meth:`Session.generation`), gets a ConfigError instead of
@@ -14,17 +16,17 @@ corrupting the sequence.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import CancelledError, ConfigError, NativeError
 from ..policies.base import Policy
-from .budget import BudgetConfig, EngineStats, EvictionEngine, context_cells
-from .capture import ROUTES, CapturePlan
-from .handles import Closing, Context, Model, kv_type
+from .budget import BudgetConfig, EngineStats, EvictionEngine
+from .capture import ROUTES, SequenceCapture
+from .handles import Closing, Model, kv_type
 from .sampling import Sampler, SamplingConfig
 
 
@@ -92,64 +94,76 @@ class SessionStats:
 
 
 class Session(Closing):
-    """Model + budget-sized context + capture + policy + eviction engine for sequence 0."""
+    """One sequence: its budget, policy, capture state and eviction engine, in a pool of one or a shared one.
+
+    pool: None creates (and owns) a pool of one sequence; else the shared pool this session leases a sequence
+    of (use ``pool.open()``). seq_id: the sequence's id in the context.
+    """
 
     def __init__(self, model: Model, policy: Policy, budget: BudgetConfig, cfg: SessionConfig | None = None,
-                 record: bool = False):
+                 record: bool = False, *, pool=None):
+        from .pool import SequencePool
+
+        self._owns_pool = pool is None
+        if pool is None:
+            pool = SequencePool(model, policy, budget, cfg)
+        elif budget.kv_budget > pool.budget.kv_budget:
+            raise ConfigError(f"kv_budget {budget.kv_budget} exceeds the pool's sequence budget "
+                              f"{pool.budget.kv_budget}")
+        self.pool = pool
         self.model = model
         self.policy = policy
-        self.cfg = cfg or SessionConfig()
+        self.cfg = pool.cfg
         self._record = record
-        info = model.info
-        signals = policy.bind(info.shape)
-        check_policy_fits(policy, self.cfg)
-        plan = CapturePlan.build(signals, self.cfg.capture_route, self.cfg.verify_flash_attn)
-        n_ctx = self.cfg.n_ctx or context_cells(budget.kv_budget, self.cfg.n_batch)
-        if n_ctx < budget.kv_budget:
-            raise ConfigError(f"n_ctx {n_ctx} is smaller than kv_budget {budget.kv_budget}")
         self._lock = threading.Lock()  # held for the length of one session call (a decode, a sample, ...)
         self._owner: int | None = None  # the thread holding it
         self._generating = False
         self._samplers: set[Sampler] = set()
         self._cancel = threading.Event()  # set by cancel() or close() from any thread
-        with contextlib.ExitStack() as stack:
-            handle = plan.open(model.nat, info.n_embd, self.cfg.n_batch)
-            if handle is not None:
-                stack.callback(handle.close)  # freed after the context, which calls into it
-            self.ctx = stack.enter_context(Context(
-                model, n_ctx=n_ctx, n_batch=self.cfg.n_batch, flash_attn=self.cfg.flash_attn,
-                n_threads=self.cfg.n_threads, cb_eval=handle.cb_eval if handle else None,
-                cb_eval_user_data=handle.user_data if handle else 0, type_k=self.cfg.type_k, type_v=self.cfg.type_v))
-            self.capture = plan.attach(self.ctx, handle, info.arch)
-            self._stack = stack.pop_all()
+        self._closed = False
+        self._rows: list[int] = []  # batch indices of this sequence's output rows in decode number _rows_round
+        self._rows_round = -1
+        self._kept: list[np.ndarray] | None = None  # those rows, copied when another sequence's decode came
+        try:
+            if not self._owns_pool and policy.bind(model.info.shape) != pool.signals:
+                raise ConfigError(f"policy {policy.name!r} captures other signals than this pool's")
+            self.seq_id = pool._lease(self)
+        except BaseException:
+            if self._owns_pool:
+                pool.close()
+            raise
+        self.ctx = pool.ctx
+        self.capture = SequenceCapture(pool.capture)
         self._new_engine(budget)
         self.n_past = 0  # next position
         self.tokens: list[int] = []  # the token decoded at each position 0 .. n_past - 1 (evicted ones too)
         self.decode_seconds = 0.0
 
     def _new_engine(self, budget: BudgetConfig) -> None:
-        self.engine = EvictionEngine(self.ctx, self.policy, budget, record=self._record)
-        self.ctx.set_kv_full_callback(self.engine.on_kv_full)
+        self.engine = EvictionEngine(self.ctx, self.policy, budget, record=self._record, seq_id=self.seq_id)
 
     # -- ownership ----------------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return self._stack is None
+        return self._closed or self.pool.closed
 
     def close(self) -> None:
-        """Free the context and the capture. From another thread while a generation runs: that generation
-        stops at its next step (NativeError "session is closed"); the step in flight finishes first, so native
-        memory is never freed under it."""
-        if getattr(self, "_stack", None) is None:
+        """Release the sequence (its cells), and the context and capture when this session owns its pool. From
+        another thread while a generation runs: that generation stops at its next step (NativeError "session
+        is closed"); the step in flight finishes first, so native memory is never freed under it."""
+        if getattr(self, "_closed", True) or not hasattr(self, "ctx"):
             return
         if getattr(self, "_owner", None) == threading.get_ident():
             raise NativeError("cannot close the session from inside one of its own calls")
         self._cancel.set()  # a generation running in another thread stops at its next step
         with self._lock:  # waits for the session call in flight (one decode or sample) to finish
-            stack, self._stack = self._stack, None
-            if stack is None:
+            if self._closed:
                 return
-            stack.close()
+            self._closed = True
+            if self._owns_pool:
+                self.pool.close()
+            else:
+                self.pool._release(self)
             for sampler in list(self._samplers):  # chains still open: they sampled from that context
                 sampler.close()
 
@@ -244,10 +258,33 @@ class Session(Closing):
         return self.engine.live_positions()
 
     def logits(self, i: int = -1) -> np.ndarray:
-        """(n_vocab,) float32 logits of output row i of the last decode (a view: copy to keep)."""
+        """(n_vocab,) float32 logits of this sequence's output row i of its last decode (-1: the last; a view
+        in a pool of one, a copy otherwise: copy to keep)."""
         if self.closed:
             raise NativeError("session is closed")
-        return self.ctx.logits(i)
+        with self.pool.quiet():
+            if self._rows_round == self.pool.round:
+                row = self.ctx.logits(self._output_row(i))
+                return row if self.pool.n_seq == 1 else row.copy()
+            if self._kept is not None:
+                return self._kept[self._output_index(i)]
+            raise NativeError(f"no logits for output {i}: this sequence's last decode kept none")
+
+    def _output_index(self, i: int) -> int:
+        n = len(self._rows) if self._kept is None else len(self._kept)
+        if not -n <= i < n:
+            raise NativeError(f"no logits for output {i} (the last decode of this sequence has {n} output rows)")
+        return i
+
+    def _output_row(self, i: int) -> int:
+        return self._rows[self._output_index(i)]
+
+    def _keep_rows(self, round_: int) -> None:
+        """Another sequence's decode is about to overwrite the context's logits: copy this sequence's rows if
+        they are the live ones (called by the round's leader)."""
+        if self._rows_round == round_ and self._rows:
+            self._kept = [self.ctx.logits(i).copy() for i in self._rows]
+            self._rows_round = -1
 
     def stats(self) -> SessionStats:
         st: EngineStats = self.engine.stats
@@ -261,8 +298,9 @@ class Session(Closing):
     # -- decoding -----------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Start a new sequence: clear the cache and the policy's, capture's and engine's state."""
-        with self._use():
-            self.ctx.clear()
+        with self._use(), self.pool.quiet():
+            self.ctx.seq_rm_range(-1, -1, self.seq_id)
+            self._forget_rows()
             self.policy.reset()
             self.capture.reset()
             self._new_engine(self.budget)
@@ -273,7 +311,7 @@ class Session(Closing):
         """Save the sequence (KV cells with their holes, bookkeeping, policy state) to a file; see ``state``."""
         from . import state
 
-        with self._use():
+        with self._use(), self.pool.quiet():
             state.save(self, path)
 
     def load_state(self, path) -> None:
@@ -281,7 +319,9 @@ class Session(Closing):
         file is not one, truncated, corrupted or from another model."""
         from . import state
 
-        state.load(self, path)  # reads and checks the whole file before touching this session
+        with self.pool.quiet():
+            state.load(self, path)  # reads and checks the whole file before touching this session
+            self._forget_rows()
 
     def rewind_to_prefix(self, tokens: list[int]) -> int:
         """Keep the longest common prefix of the sequence and ``tokens`` (cache, evictions and all), drop the
@@ -293,7 +333,7 @@ class Session(Closing):
         policy keeps its running statistics of the dropped tokens (an approximation: kept tokens' scores are
         unchanged, re-decoded tokens are scored afresh).
         """
-        with self._use():
+        with self._use(), self.pool.quiet():
             n = 0
             limit = min(len(tokens) - 1, len(self.tokens))
             while n < limit and self.tokens[n] == tokens[n]:
@@ -324,8 +364,13 @@ class Session(Closing):
     def sample(self, sampler: Sampler) -> int:
         """Sample the next token from the last decode's logits with ``sampler`` (see :meth:`sampling`)."""
         self._check_cancelled()
-        with self._use(), self.ctx.using() as handle:
-            return sampler.sample(handle)
+        with self._use(), self.pool.quiet():
+            if self._rows_round == self.pool.round:
+                with self.ctx.using() as handle:
+                    return sampler.sample(handle, self._output_row(-1))
+            if self._kept is not None:
+                return sampler.sample_row(self._kept[self._output_index(-1)])
+            raise NativeError("no logits to sample from: this sequence's last decode kept none")
 
     def begin_prompt(self, n_prompt: int) -> None:
         """The next ``n_prompt`` tokens fed are a prompt: check that it fits the budget (BudgetError) and
@@ -352,19 +397,53 @@ class Session(Closing):
             self.decode_chunk(part, logits_all=(logits == "all"), logits_last=(i + chunk >= len(tokens)))
 
     def decode_chunk(self, part: list[int], logits_all: bool = False, logits_last: bool = True) -> None:
-        """Evict if needed, decode ``part`` (<= n_batch tokens) at the next positions, score the new tokens."""
+        """Evict if needed, decode ``part`` (<= n_batch tokens) at the next positions, score the new tokens. In a
+        shared pool the decode may carry other sequences' tokens too (``SequencePool.decode``)."""
         if self._generating:
             self._check_cancelled()
+        if not 1 <= len(part) <= self.cfg.n_batch:
+            raise ConfigError(f"decode takes 1..{self.cfg.n_batch} tokens, got {len(part)}")
         with self._use():
-            n = len(part)
-            self.engine.make_room(n)
-            pos = np.arange(self.n_past, self.n_past + n, dtype=np.int64)
-            t0 = time.perf_counter()
-            self.ctx.decode(part, pos, logits_last=logits_last, logits_all=logits_all)
-            self.decode_seconds += time.perf_counter() - t0
-            self.engine.on_decoded(pos)
-            self.n_past += n
-            self.tokens.extend(int(t) for t in part)
-            obs = self.capture.observe(pos)
-            self.capture.check_flash_attn(self.cfg.flash_attn)
-            self.policy.observe(obs)
+            self.pool.decode(self, part, logits_all, logits_last)
+
+    def _after_decode(self, pos: np.ndarray, part: list[int], rows: slice, n_total: int, out_rows: list[int],
+                      round_: int, seconds: float) -> None:
+        """The pool decoded ``part`` at ``pos`` as rows ``rows`` of a decode of ``n_total`` tokens (number
+        ``round_``, taking ``seconds``): book the cells, route the captured rows to the policy."""
+        self.decode_seconds += seconds
+        self.engine.on_decoded(pos)
+        self.n_past += len(part)
+        self.tokens.extend(part)
+        self._rows, self._rows_round, self._kept = out_rows, round_, None
+        obs = self.capture.observe(pos, rows, n_total)
+        self.capture.check_flash_attn(self.cfg.flash_attn)
+        self.policy.observe(obs)
+
+    def _forget_rows(self) -> None:
+        self._rows, self._rows_round, self._kept = [], -1, None
+
+    def fork(self, record: bool = False) -> "Session":
+        """A new sequence of the same pool that continues this one: it shares this sequence's cells (llama.cpp's
+        ``seq_cp``, no copy), starts from its bookkeeping, policy and capture state and its last logits, and
+        from then on evicts within its own budget (an eviction of either removes only its own hold on a shared
+        cell). ConfigError when the pool has no free sequence. Used for ``n`` > 1 answers to one prompt. It may
+        run while this sequence generates in another thread: between rounds its state does not change."""
+        if self.closed:
+            raise NativeError("session is closed")
+        with self.pool.quiet():
+            child = Session(self.model, copy.deepcopy(self.policy), self.budget, self.cfg, record=record,
+                            pool=self.pool)
+            try:
+                vars(child.policy).update(copy.deepcopy(vars(self.policy)))  # bind() reset the copy: take the state
+                self.ctx.seq_copy(self.seq_id, child.seq_id, -1, -1)
+                child.engine.copy_from(self.engine)
+                child.n_past, child.tokens = self.n_past, list(self.tokens)
+                child.capture.set_state(self.capture.state())
+                if self._rows_round == self.pool.round and self._rows:
+                    child._kept = [self.ctx.logits(i).copy() for i in self._rows]
+                elif self._kept is not None:
+                    child._kept = [r.copy() for r in self._kept]
+            except BaseException:
+                child.close()
+                raise
+            return child

@@ -441,10 +441,10 @@ def save(session, path: str | os.PathLike) -> Path:
     table = [{"dtype": a.dtype.str, "shape": list(a.shape),
               "order": "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"} for a in enc.arrays]
     blob = b"".join(a.tobytes(order=t["order"]) for a, t in zip(enc.arrays, table))
-    kv = session.ctx.seq_state()
+    kv = session.ctx.seq_state(session.seq_id)
     # lay the live cells out as a restore does (position order): flash attention accumulates over the cells
     # in their physical order (in f16 on the CPU), so only the same layout continues with identical logits
-    session.ctx.set_seq_state(kv)
+    session.ctx.set_seq_state(kv, session.seq_id)
     header = {
         "version": VERSION, "model": _model_identity(session),
         "policy": {"name": policy.name, "settings": settings, "state": running},
@@ -782,8 +782,8 @@ def _try_kv(session, kv: bytes, live: list[int], own_kv: bytes) -> None:
     """The KV blob goes through llama.cpp's own reader: try it on this context, and put this session's own
     cells back when llama.cpp refuses it or restores other cells than the header says."""
     try:
-        session.ctx.set_seq_state(kv)
-        cells = session.ctx.cell_positions()
+        session.ctx.set_seq_state(kv, session.seq_id)
+        cells = session.ctx.cell_positions(session.seq_id)
         if np.array_equal(np.sort(cells[cells >= 0]).astype(np.int64), np.asarray(live, dtype=np.int64)):
             return
         problem = "llama.cpp restored other cells than the live positions of the header"
@@ -791,9 +791,9 @@ def _try_kv(session, kv: bytes, live: list[int], own_kv: bytes) -> None:
         problem = f"llama.cpp refused it ({first_line(e)})"
     try:
         if session.engine.n_live:
-            session.ctx.set_seq_state(own_kv)
+            session.ctx.set_seq_state(own_kv, session.seq_id)
         else:
-            session.ctx.seq_rm_range(-1, -1)
+            session.ctx.seq_rm_range(-1, -1, session.seq_id)
     except EpikvError as e:
         session.reset()
         problem += f"; this session's own cells could not be put back ({first_line(e)}), so it was reset"
@@ -804,7 +804,7 @@ def load(session, path: str | os.PathLike) -> None:
     """Replace the session's sequence with the one saved in ``path``: everything is checked first; DataError
     naming the file and the field otherwise, with the session left as it was."""
     header, blobs = read(path)
-    own_kv = session.ctx.seq_state()
+    own_kv = session.ctx.seq_state(session.seq_id)
     try:
         try:
             snap, tokens, n_past, policy, capture = _validate(session, header, blobs, own_kv)
@@ -820,7 +820,7 @@ def load(session, path: str | os.PathLike) -> None:
         raise DataError(f"{path} {e}") from None
     session.reset()
     try:
-        session.ctx.set_seq_state(blobs["kv"])
+        session.ctx.set_seq_state(blobs["kv"], session.seq_id)
     except EpikvError as e:  # it was just accepted by this context: not expected
         session.reset()
         raise DataError(f"{path} is refused: kv llama.cpp refused it on the second read ({first_line(e)}); this "

@@ -58,6 +58,10 @@ def add_args(p) -> None:
                         "comma-separated: each key is one client identity); unset: no key")
     p.add_argument("--cors-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
                    help="browser origins allowed to call the server ('*': any); unset: loopback origins only")
+    p.add_argument("--parallel", "-np", type=int, default=1, metavar="N",
+                   help="sequences decoded together, each request in its own, each within --kv-budget "
+                        "(llama-server's -np; the KV cache holds N budgets)")
+    p.add_argument("--metrics", action="store_true", help="serve GET /metrics (Prometheus text)")
     p.add_argument("--share-prompt-cache", action="store_true",
                    help="let a request reuse the cached prompt prefix of another key's (off: reset between keys)")
     for flag, kind, default, text in LIMIT_ARGS:
@@ -74,6 +78,8 @@ def _check_args(args) -> None:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 1 <= args.parallel <= 256:
+        raise ConfigError(f"--parallel must be in 1..256, got {args.parallel}")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ConfigError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     api_keys(args.api_key)
@@ -214,14 +220,15 @@ def run(args) -> int:
 
         max_prompt = args.max_prompt_tokens or L.default_max_prompt_tokens(args.kv_budget)
         llama = Llama(**{**llama_kwargs(args), "model_path": model_path}, chat_format=args.chat_format,
-                      reasoning_format=args.reasoning_format, max_prompt_tokens=max_prompt)
+                      reasoning_format=args.reasoning_format, max_prompt_tokens=max_prompt, n_parallel=args.parallel)
         app = None
         try:
             if llama.calibration is not None:
                 print(f"epikv-local: using calibration {llama.calibration.path}", file=sys.stderr)
             app = create_app(llama, model_alias=alias, api_key=args.api_key, max_queue=args.max_queue,
                              limits=server_limits(args), cors_origins=cors_origins(args.cors_origins),
-                             check_host=is_loopback(args.host), share_prompt_cache=args.share_prompt_cache)
+                             check_host=is_loopback(args.host), share_prompt_cache=args.share_prompt_cache,
+                             metrics=args.metrics)
             _serve(uvicorn, app, sock, f"epikv-local: serving {alias} on {_url(sock)}", args.verbose)
         finally:
             if app is None:

@@ -54,6 +54,7 @@ class Job:
         self.finished = self.loop.create_future()  # the generation's stats, once the thread is done
         self.stats = None
         self._deadline = None
+        self.thread_id: int | None = None  # the generation thread (a cancel with several sequences aims at it)
         self.abandoned = False  # the reader gave up on the thread (a shutdown's grace period ran out)
 
     def start(self, open_stream, max_seconds: float | None = None, timeout_error=None) -> None:
@@ -119,6 +120,7 @@ class Job:
 
     def _produce(self, open_stream) -> None:
         it, stats, completed = None, None, False
+        self.thread_id = threading.get_ident()
         try:
             with self.service.inside(self):
                 try:

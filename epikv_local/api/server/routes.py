@@ -35,14 +35,14 @@ def api_keys(api_key) -> tuple[str, ...]:
 
 def create_app(llama, *, model_alias: str | None = None, api_key=None, max_queue: int = DEFAULT_MAX_QUEUE,
                limits: Limits | None = None, cors_origins=None, check_host: bool = False,
-               share_prompt_cache: bool = False):
+               share_prompt_cache: bool = False, metrics: bool = False):
     """A FastAPI app serving ``llama`` (an :class:`epikv_local.Llama`) under the id ``model_alias`` (default: the
     model file's name). ``api_key``: the bearer token(s) required on every path but ``/health`` (None: open;
     several: a list or a comma-separated string, each key one client identity). ``max_queue``: requests that
     may wait while one runs. ``limits``: one request's :class:`~.limits.Limits`. ``cors_origins``: the allowed
     browser origins (None: loopback ones; ``["*"]``: any). ``check_host``: accept loopback ``Host`` names only
     (for a server bound to a loopback address). ``share_prompt_cache``: let a request reuse the cached prompt
-    prefix of another identity. The app does not close the Llama; its ``state.epikv.close()`` does so safely
+    prefix of another identity. ``metrics``: serve ``GET /metrics`` (Prometheus text). The app does not close the Llama; its ``state.epikv.close()`` does so safely
     (after a worker thread still inside it returns)."""
     try:
         from fastapi import APIRouter, Depends, FastAPI, Request
@@ -95,11 +95,26 @@ def create_app(llama, *, model_alias: str | None = None, api_key=None, max_queue
 
     add_routes(router, service, authenticate, limits.max_tokens)
 
+    @router.get("/slots", dependencies=[Depends(authenticate)])
+    async def slots():
+        """llama-server's /slots: one entry per sequence (live cells, budget, evictions, positions, state)."""
+        return [dict(slot, is_processing=slot["leased"]) for slot in llama.slots()]
+
+    if metrics:
+        from fastapi.responses import Response
+
+        from .metrics import metrics_text
+
+        @router.get("/metrics", dependencies=[Depends(authenticate)])
+        async def prometheus():
+            body, kind = metrics_text(service)
+            return Response(body, media_type=kind)
+
     @open_router.get("/health")
     async def health():
         return {"status": "ok", "model": alias, "busy": service.busy, "queued": service.queued,
                 "max_queue": max_queue, "served": service.n_served, "cancelled": service.n_cancelled,
-                "tokens_generated": service.tokens_generated}
+                "tokens_generated": service.tokens_generated, "n_parallel": service.n_parallel}
 
     app = FastAPI(title="epikv-local", description="OpenAI-compatible server with a KV budget")
     app.include_router(router)

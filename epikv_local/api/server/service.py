@@ -1,7 +1,7 @@
-"""The service behind the routes: one Llama, one request at a time.
+"""The service behind the routes: one Llama, ``n_parallel`` requests at a time (``--parallel``).
 
-:class:`Service` holds the model, its FIFO slot (one request running, up to ``max_queue`` waiting, beyond that
-503), whose conversation its cache holds (prompt-prefix reuse stays within one client identity), the job inside
+:class:`Service` holds the model, its FIFO slots (``n_parallel`` requests running, each in a sequence of its
+own, up to ``max_queue`` waiting, beyond that 503), whose conversation its cache holds (prompt-prefix reuse stays within one client identity), the job inside
 the Llama (the only one a cancel may reach) and the counters ``/health`` reports. The generation thread of a
 request is :class:`~epikv_local.api.server.job.Job`.
 
@@ -35,23 +35,27 @@ class Service:
         import anyio
 
         self.llama = llama
+        self.n_parallel = getattr(llama, "n_parallel", 1)
         self.alias = alias
         self.max_queue = max_queue
         self.api_error = api_error
         self.share_prompt_cache = share_prompt_cache
         self.created = int(time.time())  # unix seconds, the ``created`` of /v1/models
-        self._slot = anyio.Semaphore(1)  # FIFO; released when a request's generation has stopped
+        self._slot = anyio.Semaphore(self.n_parallel)  # FIFO; released when a request's generation has stopped
         self._admitted = 0  # running + waiting
-        self.busy_lock = threading.Lock()  # held by the thread inside the Llama (a generation, or close())
-        self.cancel_lock = threading.Lock()  # guards ``running``: a cancel reaches the job it was aimed at only
-        self.running: Job | None = None  # the job whose thread is inside the Llama
+        self.cancel_lock = threading.Condition()  # guards ``running``: a cancel reaches the job it was aimed at
+        self.running: set = set()  # the jobs whose threads are inside the Llama
         self._cache_owner = _NOBODY
         self._borrowers = threading.Condition()  # short calls (tokenize) that use the model beside a generation
         self._n_borrowers = 0
+        self._closing = False  # close() has begun: no thread enters the Llama any more
         self.stopping = False  # set on SIGINT / SIGTERM: running generations stop, new requests get 503
         self.n_served = 0
         self.n_cancelled = 0
         self.tokens_generated = 0
+        self.prompt_tokens = 0
+        self.n_evicted = 0
+        self.decode_seconds = 0.0
 
     # -- errors ------------------------------------------------------------------------------------------------
     def shutdown_error(self):
@@ -69,9 +73,10 @@ class Service:
     def admit(self) -> None:
         """Count a request in (running or waiting), or raise a 503 when the queue is full."""
         self.check_stopping()
-        if self._admitted > self.max_queue:
-            raise self.api_error(503, f"the server is busy: one request is running and {self._admitted - 1} are "
-                                      f"waiting (--max-queue {self.max_queue}); retry later",
+        if self._admitted >= self.max_queue + self.n_parallel:
+            raise self.api_error(503, f"the server is busy: {min(self._admitted, self.n_parallel)} request(s) are "
+                                      f"running and {self.queued} are waiting (--max-queue {self.max_queue}); "
+                                      "retry later",
                                  "unavailable_error", code="queue_full")
         self._admitted += 1
 
@@ -93,11 +98,20 @@ class Service:
         self.n_served += 1
         self.n_cancelled += not completed
         self.tokens_generated += stats.n_generated_tokens if stats is not None else 0
+        if stats is not None:
+            self.prompt_tokens += stats.n_prompt_tokens
+            self.n_evicted += stats.n_evicted_call
+            self.decode_seconds += stats.decode_seconds
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second of decode time over the generations run (0 before any)."""
+        return self.tokens_generated / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
     def queued(self) -> int:
         """Requests waiting for the model."""
-        return max(0, self._admitted - 1)
+        return max(0, self._admitted - self.n_parallel)
 
     @property
     def busy(self) -> bool:
@@ -107,26 +121,34 @@ class Service:
     # -- inside the Llama (the job's thread) ------------------------------------------------------------------
     @contextlib.contextmanager
     def inside(self, job: Job):
-        """Hold the model for ``job``'s thread: cancels aimed at the job reach the Llama while it is inside."""
-        with self.busy_lock:
+        """Count ``job``'s thread inside the Llama: cancels aimed at the job reach its call while it is inside."""
+        with self.cancel_lock:  # after close() began, the job finds ``stopping`` set and leaves at once
+            self.running.add(job)
+        try:
+            yield
+        finally:
             with self.cancel_lock:
-                self.running = job
-            try:
-                yield
-            finally:
-                with self.cancel_lock:
-                    self.running = None
+                self.running.discard(job)
+                self.cancel_lock.notify_all()
 
     def cancel_if_inside(self, job: Job) -> None:
-        """``llama.cancel()`` if ``job``'s thread is the one inside the Llama (from any thread)."""
+        """Cancel ``job``'s call if its thread is inside the Llama (from any thread): ``llama.cancel()`` with
+        one sequence, that thread's call only with several."""
         with self.cancel_lock:
-            if self.running is job:
+            if job in self.running:
                 with contextlib.suppress(EpikvError):  # closed meanwhile: nothing runs
-                    self.llama.cancel()
+                    if self.n_parallel == 1:
+                        self.llama.cancel()
+                    else:
+                        self.llama.cancel_thread(job.thread_id)
 
     def claim_cache(self, identity) -> None:
         """Before a request of ``identity`` (its thread inside the Llama): forget a conversation of another
-        identity, so that neither the reused-prefix count nor timing tells one client another's prompt."""
+        identity, so that neither the reused-prefix count nor timing tells one client another's prompt. With
+        several sequences, each is tagged with its client and only that client's calls reuse or branch it."""
+        if self.n_parallel > 1:
+            self.llama.set_client(None if self.share_prompt_cache else identity)
+            return
         if identity != self._cache_owner and not self.share_prompt_cache:
             if self._cache_owner is not _NOBODY:
                 self.llama.reset()
@@ -137,8 +159,9 @@ class Service:
         inside a prefill too. ``abandon_at`` (from the event loop only; monotonic seconds): when the request
         stops waiting for a generation thread still inside the Llama (see ``Job.abandon_at``)."""
         self.stopping = True
-        job = self.running
-        if job is not None:
+        with self.cancel_lock:
+            jobs = list(self.running)
+        for job in jobs:
             job.stop(self.shutdown_error())
             if abandon_at is not None:
                 job.abandon_at(abandon_at)
@@ -165,5 +188,7 @@ class Service:
         self.shutdown()
         with self._borrowers:
             self._borrowers.wait_for(lambda: self._n_borrowers == 0)
-        with self.busy_lock:
-            self.llama.close()
+        with self.cancel_lock:
+            self._closing = True
+            self.cancel_lock.wait_for(lambda: not self.running)
+        self.llama.close()

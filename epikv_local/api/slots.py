@@ -1,0 +1,179 @@
+"""A Llama's sequences when ``n_parallel`` > 1: each call leases one, and gives it back when its stream ends.
+
+The sequences are sessions of one :class:`~epikv_local.engine.pool.SequencePool` (one context, decoded
+together). A call takes, in this order of preference:
+
+1. the idle sequence whose cached tokens share the longest prefix with its prompt (multi-turn reuse: the
+   conversation continues where it was, as with one sequence);
+2. a branch of a busy sequence that holds a longer prefix (``Session.fork``: the prompt's cells are shared,
+   not decoded again: this is how ``n`` > 1 answers to one prompt, or many requests with one system prompt,
+   share the prompt's cells);
+3. a fresh sequence; and when every sequence is busy, it waits for one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+from ..engine.pool import SequencePool
+from ..engine.session import Session
+
+#: a busy sequence is branched only when it shares at least this many more prompt tokens than an idle one
+MIN_SHARED = 16
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class Slots:
+    """Lease and release the sequences of ``pool`` (``first`` is the Llama's own session, sequence 0)."""
+
+    def __init__(self, pool: SequencePool, first: Session):
+        self.pool = pool
+        self._cond = threading.Condition()
+        self._idle: list[Session] = [first]
+        self._busy: list[Session] = []
+        self.n_primed = 0  # calls whose prompt is decoded (fan_out waits for the first before branching it)
+        self._client = threading.local()  # the client a thread's calls run for (``set_client``)
+        self._owner: dict[int, object] = {}  # id(session) -> the client whose conversation it holds
+        self._thread: dict[int, Session] = {}  # thread id -> the session its call holds
+
+    def set_client(self, client) -> None:
+        """The calls of this thread run for ``client`` (None: anyone): they reuse or branch only sequences
+        that hold that client's conversation; another client's idle sequence is emptied before it is used."""
+        self._client.value = client
+
+    def cancel_thread(self, thread_id: int) -> None:
+        """Cancel the call that thread ``thread_id`` runs (its session's ``cancel()``), if any."""
+        with self._cond:
+            session = self._thread.get(thread_id)
+        if session is not None:
+            session.cancel()
+
+    def lease(self, tokens: list[int]) -> Session:
+        """A sequence for a call with prompt ``tokens`` (see the module doc); blocks while all are busy."""
+        client = getattr(self._client, "value", None)
+
+        def shared(s: Session) -> int:  # prompt tokens ``s`` holds for this client (0: another client's)
+            owner = self._owner.get(id(s))
+            return common_prefix(s.tokens, tokens) if client is None or owner is None or owner == client else 0
+
+        with self._cond:
+            while True:
+                idle = [(shared(s), i, s) for i, s in enumerate(self._idle) if not s.closed]
+                best = max(idle, key=lambda x: (x[0], -x[1]), default=None)
+                donors = [(shared(s), s) for s in self._busy if not s.closed]
+                donor = max(donors, key=lambda x: x[0], default=None)
+                room = self.pool.n_free > 0
+                if donor and donor[0] >= MIN_SHARED and donor[0] > (best[0] if best else 0) + MIN_SHARED \
+                        and (room or idle):
+                    if not room:  # give up the idle sequence that shares the least, to branch the donor
+                        _, _, gone = min(idle, key=lambda x: x[0])
+                        self._idle.remove(gone)
+                        gone.close()
+                    session = donor[1].fork()
+                    break
+                if best is not None:
+                    session = best[2]
+                    self._idle.remove(session)
+                    owner = self._owner.get(id(session))
+                    if client is not None and owner is not None and owner != client:
+                        session.reset()  # another client's conversation: neither reused nor timed
+                    break
+                if room:
+                    session = self.pool.open()
+                    break
+                self._cond.wait()
+            self._busy.append(session)
+            self._owner[id(session)] = client
+            self._thread[threading.get_ident()] = session
+            return session
+
+    def release(self, session: Session) -> None:
+        with self._cond:
+            for tid, s in list(self._thread.items()):
+                if s is session:
+                    del self._thread[tid]
+            if session in self._busy:
+                self._busy.remove(session)
+                if not session.closed:
+                    self._idle.append(session)
+            self._cond.notify_all()
+
+    def primed(self) -> None:
+        """A call's prompt is decoded (its first token sampled): later calls can branch its sequence."""
+        with self._cond:
+            self.n_primed += 1
+            self._cond.notify_all()
+
+    def wait_primed(self, before: int, done: threading.Event) -> None:
+        """Wait until a call has primed since ``n_primed`` was ``before``, or ``done`` is set."""
+        with self._cond:
+            while self.n_primed == before and not done.is_set():
+                self._cond.wait(0.05)
+
+    def holding(self, session: Session, items: Iterator) -> Iterator:
+        """``items``, then ``session`` released (also when the stream is closed or dropped unfinished)."""
+        try:
+            yield from items
+        finally:
+            self.release(session)
+
+    def snapshot(self) -> list[dict]:
+        """Per sequence of the pool: the pool's slot record plus whether a call holds it."""
+        with self._cond:
+            busy = {s.seq_id for s in self._busy}
+        return [dict(slot, leased=slot["id"] in busy) for slot in self.pool.slots()]
+
+
+def fan_out(n: int, run_one, slots: Slots | None) -> dict:
+    """``n`` answers to one call merged into one response: ``run_one(i)`` gives choice ``i``'s response (its own
+    call, seed offset by ``i``). With ``slots`` (n_parallel > 1) the choices run in threads, in parallel
+    sequences; the first runs alone until its prompt is decoded, so the others branch its sequence and share
+    the prompt's cells. Without, they run one after another in the one sequence (each reusing the prompt's
+    cells through the common prefix)."""
+    results: list = [None] * n
+    errors: list = []
+
+    def work(i, done=None):
+        try:
+            results[i] = run_one(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+        finally:
+            if done is not None:
+                done.set()
+
+    if slots is None:
+        for i in range(n):
+            work(i)
+            if errors:
+                raise errors[0]
+    else:
+        done = threading.Event()
+        before = slots.n_primed
+        first = threading.Thread(target=work, args=(0, done), daemon=True)
+        first.start()
+        slots.wait_primed(before, done)
+        rest = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(1, n)]
+        for t in rest:
+            t.start()
+        for t in [first, *rest]:
+            t.join()
+        if errors:
+            raise errors[0]
+    out = results[0]
+    choices = []
+    for i, r in enumerate(results):
+        choice = dict(r["choices"][0], index=i)
+        choices.append(choice)
+    out["choices"] = choices
+    n_prompt = out["usage"]["prompt_tokens"]
+    n_completion = sum(r["usage"]["completion_tokens"] for r in results)
+    out["usage"] = dict(out["usage"], completion_tokens=n_completion, total_tokens=n_prompt + n_completion)
+    return out

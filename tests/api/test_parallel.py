@@ -1,0 +1,97 @@
+"""``Llama(n_parallel=N)``: several threads call one Llama at once, each call in its own sequence of one
+context; ``n=k`` answers share the prompt's cells. Real model (the default one); stock-free (the reference is
+the same Llama with one sequence)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import epikv_local as ek
+from epikv_local.errors import ConfigError
+
+QUESTIONS = [f"Count from {i} to {i + 5}." for i in range(4)]
+WORDS = ["apple", "river", "guitar", "planet"]
+LONG = ("You are a careful assistant. Read the following notes about the history of numbers, then answer. "
+        "The notes: zero came late to Europe; Roman numerals had no zero; the abacus helped merchants add.")
+
+
+def ask(llm, q: str, max_tokens: int = 24, **kw) -> dict:
+    return llm.create_chat_completion([{"role": "user", "content": q}], max_tokens=max_tokens, temperature=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def parallel(model_path):
+    with ek.Llama(str(model_path), n_parallel=4, kv_budget=128, n_threads=1) as llm:
+        yield llm
+
+
+def test_threads_get_their_own_answers_within_their_budgets(parallel):
+    out: dict = {}
+
+    def run(i):
+        try:  # a prompt that repeats one word: the continuation repeats it (mixed streams would show)
+            out[i] = parallel.create_completion(" ".join([WORDS[i]] * 12), max_tokens=16, temperature=0)
+        except Exception as e:  # reported by the main thread
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    texts = []
+    for i in range(4):
+        assert not isinstance(out[i], Exception), out[i]
+        ext = out[i]["epikv"]
+        assert 0 < ext["max_live_cells"] <= 128
+        texts.append(out[i]["choices"][0]["text"])
+    # nobody got another's answer: each is the one its prompt gets alone (4 x 12 prompt tokens share one
+    # ubatch of < 64 rows and nothing is evicted, so decoding together is exact: docs/parallel.md)
+    alone = [parallel.create_completion(" ".join([w] * 12), max_tokens=16, temperature=0)["choices"][0]["text"]
+             for w in WORDS]
+    assert texts == alone and len(set(texts)) == 4
+    slots = parallel.slots()
+    assert len(slots) == 4 and not any(s["leased"] for s in slots)
+    assert parallel._slots.pool.rounds.n_shared > 0  # decodes really carried several sequences
+
+
+def test_a_lone_call_matches_one_sequence(parallel, model_path):
+    """Alone in the pool, a call decodes exactly as with n_parallel=1 (same chunks, same kernels)."""
+    with ek.Llama(str(model_path), kv_budget=128, n_threads=1) as one:
+        assert ask(parallel, QUESTIONS[0])["choices"][0]["message"]["content"] == \
+            ask(one, QUESTIONS[0])["choices"][0]["message"]["content"]
+
+
+def test_n_three_answers_share_the_prompt_cells(parallel):
+    r = parallel.create_completion(LONG, max_tokens=12, temperature=1.0, seed=3, n=3)
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert 3 <= r["usage"]["completion_tokens"] <= 36
+    pool = parallel._slots.pool
+    n_prompt = r["usage"]["prompt_tokens"]
+    held = sum(s["n_live"] for s in parallel.slots())
+    assert held >= 3 * n_prompt
+    assert pool.used_cells() < held  # the prompt's cells are held by several sequences and stored once
+    assert len({c["text"] for c in r["choices"]}) > 1  # seeds 3, 4, 5: different samples
+
+
+def test_n_with_one_sequence_runs_one_after_another(model_path):
+    with ek.Llama(str(model_path), kv_budget=128, n_threads=1) as one:
+        r = one.create_completion(LONG, max_tokens=8, temperature=0, n=2)
+        assert len(r["choices"]) == 2 and r["choices"][0]["text"] == r["choices"][1]["text"]
+        c = ask(one, "Name a fruit.", max_tokens=8, n=2)
+        assert [x["index"] for x in c["choices"]] == [0, 1]
+
+
+@pytest.mark.parametrize("kw,match", [({"n": 0}, "n must be"), ({"n": True}, "n must be"),
+                                      ({"n": 2, "stream": True}, "stream")])
+def test_bad_n_is_a_config_error(parallel, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        parallel.create_completion("hi", max_tokens=2, **kw)
+
+
+@pytest.mark.parametrize("n", [0, 257, "4", 2.0])
+def test_bad_n_parallel_is_a_config_error(model_path, n):
+    with pytest.raises(ConfigError, match="n_parallel"):
+        ek.Llama(str(model_path), n_parallel=n)
