@@ -320,9 +320,9 @@ class Llama(LlamaExtras, Closing):
         """Per sequence: id, state, live cells, budget, evictions, positions, whether a call holds it."""
         if self._slots is None:
             st = self.session.stats()
-            return [{"id": 0, "state": "generating" if self.session._generating else "idle", "n_live": st.n_live,
+            return [{"id": 0, "state": "generating" if self.session.generating else "idle", "n_live": st.n_live,
                      "kv_budget": st.kv_budget, "n_evicted": st.n_evicted, "n_past": st.n_past,
-                     "leased": self.session._generating}]
+                     "leased": self.session.generating}]
         return self._slots.snapshot()
 
     def reset(self) -> None:

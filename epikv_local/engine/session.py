@@ -201,6 +201,11 @@ class Session(Closing):
         finally:
             self._generating = False
 
+    @property
+    def generating(self) -> bool:
+        """Whether a generation is in progress (:meth:`generation`)."""
+        return self._generating
+
     def cancel(self) -> None:
         """Stop the generation in progress (from any thread): it raises CancelledError before its next decode
         of at most ``n_batch`` tokens or its next sample, so a long prefill stops within one ubatch. No effect
