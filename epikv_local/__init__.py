@@ -30,7 +30,7 @@ _EXPORTS = {
     "default_model_path": "api.models", "resolve_policy": "api.calibration",
     "EpikvError": "errors", "ConfigError": "errors", "BudgetError": "errors", "ModelError": "errors",
     "NativeError": "errors", "Llama": "api.llama",
-    "token_view": "api.tokenview",
+    "token_view": "api.tokenview", "generate_batch": "api.slots", "SequencePool": "engine.pool",
 }
 
 

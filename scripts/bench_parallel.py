@@ -5,10 +5,13 @@ side by side in one run with the same client.
 For each model and each N, N clients stream a chat each at once (end-of-generation tokens banned, so each
 generates exactly --tokens tokens); reported per setting: aggregate generated tokens/s (all tokens / wall time
 from the first request to the last token), the slowest stream's time to first token, the median per-stream
-tokens/s, and the KV bytes the context allocates. The ratios (a)/(b) are the headline. Stock llama-server
-(c) is not measured here (no llama-server binary is built by this project; see docs/parallel.md).
+tokens/s, and the KV bytes the context allocates. (c), with ``--stock PATH`` (``bash
+scripts/build_llama_server.sh`` builds it from the same pinned llama.cpp source, unpatched): stock
+llama-server ``-np N``, flash attention on, a context that holds every stream whole. Also the largest number
+of concurrent 8,192-token streams whose KV fits in 256 MiB, from the measured bytes per KV cell.
 
-    python scripts/bench_parallel.py --models default --ns 1,2,4 --tokens 256 --out results/parallel.json
+    python scripts/bench_parallel.py --models default,qwen2.5-coder-0.5b --ns 1,2,4,8 --tokens 256 \
+        --stock "$(bash scripts/build_llama_server.sh)" --out results/parallel.json
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def streams(base: str, model: str, n: int, tokens: int, bias: dict) -> dict:
     def run(i):
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=3600)
         start = time.perf_counter()
-        first, count = None, 0
+        first, count, kv = None, 0, None
         for chunk in client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": f"Tell a long story about the number {i}."}],
                 max_tokens=tokens, temperature=0, logit_bias=bias, stream=True,
@@ -63,8 +66,11 @@ def streams(base: str, model: str, n: int, tokens: int, bias: dict) -> dict:
                 first = first or time.perf_counter()
             if chunk.usage is not None:
                 count = chunk.usage.completion_tokens
+            ext = (chunk.model_extra or {}).get("epikv")
+            if ext:
+                kv = ext.get("kv_bytes", kv)
         end = time.perf_counter()
-        results[i] = {"ttft_s": (first or end) - t0, "tokens": count, "seconds": end - start,
+        results[i] = {"ttft_s": (first or end) - t0, "tokens": count, "seconds": end - start, "kv_bytes": kv,
                       "tokens_per_s": count / max(1e-9, end - (first or start))}
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
@@ -74,7 +80,8 @@ def streams(base: str, model: str, n: int, tokens: int, bias: dict) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     total = sum(r["tokens"] for r in results)
-    return {"aggregate_tokens_per_s": total / wall, "wall_s": wall, "tokens": total,
+    kv = [r["kv_bytes"] for r in results if r["kv_bytes"]]
+    return {"aggregate_tokens_per_s": total / wall, "wall_s": wall, "tokens": total, "kv_bytes": kv[0] if kv else None,
             "slowest_ttft_s": max(r["ttft_s"] for r in results),
             "median_stream_tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
             "streams": results}
@@ -88,12 +95,77 @@ def serve(path: str, parallel: int, budget: int, threads: int):
     return test_server.serving(path, "--parallel", str(parallel), "-t", str(threads), "--max-queue", "64")
 
 
+class Stock:
+    """Stock llama-server ``-np n`` on a free port (stopped on every path); its KV bytes read from its log."""
+
+    def __init__(self, binary: str, path: str, n: int, ctx: int, threads: int):
+        import subprocess
+        import tempfile
+
+        from test_server import free_port, http
+
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([binary, "-m", path, "--port", str(self.port), "--host", "127.0.0.1",
+                                      "-np", str(n), "-c", str(ctx), "-fa", "on", "-t", str(threads),
+                                      "-tb", str(threads), "-b", "64", "-ub", "64", "--no-webui"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {self.text()[-2000:]}")
+            try:
+                if http("GET", self.base + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not come up")
+            time.sleep(0.3)
+
+    def text(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def kv_bytes(self) -> int | None:
+        import re
+
+        m = re.findall(r"llama_kv_cache: size = +([0-9.]+) MiB", self.text())
+        return int(float(m[-1]) * 2**20) if m else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+        self.log.close()
+
+
+def bytes_per_cell(path: str) -> int:
+    from epikv_local.engine.handles import KV_TYPES, Model
+    from epikv_local.engine.native import load
+
+    with Model(path, native=load()) as m:
+        i = m.info
+        return i.n_layer * i.n_head_kv * (i.n_embd // i.n_head) * (KV_TYPES["f16"][1] + KV_TYPES["f16"][1])
+
+
 def run(args) -> dict:
     doc = provenance("bench_parallel.py", args.argv)
     doc.update({"kv_budget": args.kv_budget, "tokens": args.tokens, "threads": args.threads, "rows": []})
     for name in args.models:
         path = model_path(name)
         bias = eog_bias(path)
+        per_cell = bytes_per_cell(path)
+        cells = (256 * 2**20) // per_cell
+        doc.setdefault("capacity_256MiB_8192_tokens", {})[name] = {
+            "bytes_per_cell": per_cell, "a_parallel": max(0, (cells - 64) // args.kv_budget),
+            "c_stock": cells // (8192 + 64)}
         for n in args.ns:
             row = {"model": name, "n": n}
             for mode, parallel in (("a_parallel", n), ("b_queue", 1)):
@@ -107,6 +179,16 @@ def run(args) -> dict:
                     row[mode]["n_seq"] = len(slots)
                 log(f"{name} N={n} {mode}: {row[mode]['aggregate_tokens_per_s']:.1f} tok/s, slowest first token "
                     f"{row[mode]['slowest_ttft_s']:.2f} s")
+            if args.stock:
+                with Stock(args.stock, path, n, n * (args.tokens + 128), args.threads) as st:
+                    streams(st.base, "m", 1, 8, bias)  # warm-up
+                    row["c_stock"] = streams(st.base, "m", n, args.tokens, bias)
+                    row["c_stock"]["kv_bytes"] = st.kv_bytes()
+                log(f"{name} N={n} c_stock: {row['c_stock']['aggregate_tokens_per_s']:.1f} tok/s, slowest first "
+                    f"token {row['c_stock']['slowest_ttft_s']:.2f} s")
+                row["ratio_a_over_c"] = row["a_parallel"]["aggregate_tokens_per_s"] / row["c_stock"][
+                    "aggregate_tokens_per_s"]
+                row["ttft_ratio_a_over_c"] = row["a_parallel"]["slowest_ttft_s"] / row["c_stock"]["slowest_ttft_s"]
             row["ratio_a_over_b"] = row["a_parallel"]["aggregate_tokens_per_s"] / row["b_queue"][
                 "aggregate_tokens_per_s"]
             row["ttft_ratio_a_over_b"] = row["a_parallel"]["slowest_ttft_s"] / row["b_queue"]["slowest_ttft_s"]
@@ -122,6 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--kv-budget", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--stock", default=None, help="a stock llama-server binary for (c)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]

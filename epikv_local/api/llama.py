@@ -44,7 +44,7 @@ from .lowlevel import grammar_text
 from .reasoning import CLOSE, FORMATS, prompt_opens_thinking
 from .responses import ChunkStep, extension  # noqa: F401  (extension: this module's name for it, kept)
 from .session_spec import resolve_session
-from .slots import Slots, fan_out
+from .slots import Slots, fan_out, fan_out_steps
 from .streams import Stream, primed
 
 #: sampling defaults for reasoning models (DeepSeek-R1 / Qwen3 model cards) when the caller sets none
@@ -191,6 +191,15 @@ class Llama(LlamaExtras, Closing):
             self._model.max_piece_bytes()  # once, now rather than in the first request
         self.chat_format, self.chat_handler = self._chat_handler(chat_format, chat_handler)
 
+    def choice_steps(self, n: int, steps_method, **kwargs) -> Iterator[ChunkStep]:
+        """``n`` streams of ``steps_method`` (``completion_steps`` or ``chat_completion_steps``) with
+        ``kwargs``, merged as OpenAI streams ``n`` choices (each chunk's choice has its ``index``; choice i uses
+        seed + i); each step's statistics count all choices' tokens. With ``n_parallel`` >= n the choices share
+        the prompt's cells and decode together (see :meth:`create_completion`)."""
+        n = self._n_choices(n, False)
+        seed = kwargs.pop("seed", None)
+        return fan_out_steps(n, lambda i: steps_method(**kwargs, seed=self._choice_seed(seed, i)), self._slots)
+
     def _choice_seed(self, seed: int | None, i: int) -> int | None:
         """Choice i's seed: the call's (or the Llama's fixed) seed + i; None (a random seed per call) stays."""
         seed = self.seed if seed is None else seed
@@ -324,6 +333,34 @@ class Llama(LlamaExtras, Closing):
                      "kv_budget": st.kv_budget, "n_evicted": st.n_evicted, "n_past": st.n_past,
                      "leased": self.session.generating}]
         return self._slots.snapshot()
+
+    def slot_action(self, slot_id: int, action: str, path: str | os.PathLike | None = None) -> dict:
+        """llama-server's slot actions on sequence ``slot_id``: ``save`` its cache (with evictions, bookkeeping,
+        policy state) to ``path``, ``restore`` it from ``path`` (it continues with identical logits), ``erase``
+        it. ConfigError when the slot is processing a request (with one sequence: when a call is in progress)."""
+        if action not in ("save", "restore", "erase"):
+            raise ConfigError(f"action must be save, restore or erase, got {action!r}")
+        if action != "erase" and path is None:
+            raise ConfigError(f"{action} needs a file")
+        if self._slots is None:
+            if slot_id != 0:
+                raise ConfigError(f"slot {slot_id} does not exist (0..0)")
+            if self.session.generating:
+                raise ConfigError("slot 0 is processing a request")
+            n = self.session.n_past
+            {"save": lambda: self.save_session(path), "restore": lambda: self.load_session(path),
+             "erase": self.reset}[action]()
+            return {"id_slot": 0, "n_tokens": n if action != "restore" else self.session.n_past}
+        with self._slots.reserved(slot_id) as session:
+            n = session.n_past
+            if action == "save":
+                session.save_state(path)
+            elif action == "restore":
+                session.load_state(path)
+                n = session.n_past
+            else:
+                session.reset()
+            return {"id_slot": slot_id, "n_tokens": n}
 
     def reset(self) -> None:
         """Forget the conversation: the next call starts a new sequence."""

@@ -13,10 +13,14 @@ together). A call takes, in this order of preference:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import queue
 import threading
 from typing import Iterator
 
 from ..engine.pool import SequencePool
+from ..errors import ConfigError
 from ..engine.session import Session
 
 #: a busy sequence is branched only when it shares at least this many more prompt tokens than an idle one
@@ -124,6 +128,26 @@ class Slots:
         finally:
             self.release(session)
 
+    @contextlib.contextmanager
+    def reserved(self, seq_id: int):
+        """The idle session of sequence ``seq_id`` (opened when none holds it), held as busy for the block:
+        ConfigError when a call is using it, or there is no such sequence."""
+        with self._cond:
+            if not 0 <= seq_id < self.pool.n_seq:
+                raise ConfigError(f"slot {seq_id} does not exist (0..{self.pool.n_seq - 1})")
+            if any(s.seq_id == seq_id for s in self._busy):
+                raise ConfigError(f"slot {seq_id} is processing a request")
+            session = next((s for s in self._idle if s.seq_id == seq_id), None)
+            if session is None:
+                session = self.pool.open(seq_id=seq_id)
+            else:
+                self._idle.remove(session)
+            self._busy.append(session)
+        try:
+            yield session
+        finally:
+            self.release(session)
+
     def snapshot(self) -> list[dict]:
         """Per sequence of the pool: the pool's slot record plus whether a call holds it."""
         with self._cond:
@@ -176,4 +200,116 @@ def fan_out(n: int, run_one, slots: Slots | None) -> dict:
     n_prompt = out["usage"]["prompt_tokens"]
     n_completion = sum(r["usage"]["completion_tokens"] for r in results)
     out["usage"] = dict(out["usage"], completion_tokens=n_completion, total_tokens=n_prompt + n_completion)
+    return out
+
+
+def _tagged(step, index: int, cid: str, n_generated: int):
+    """``step`` as choice ``index`` of a response with id ``cid``; its statistics count ``n_generated`` tokens
+    (all choices' so far)."""
+    chunk = dict(step.chunk, id=cid, choices=[dict(step.chunk["choices"][0], index=index)])
+    stats = dataclasses.replace(step.stats, n_generated_tokens=n_generated) if step.stats is not None else None
+    return type(step)(chunk, stats)
+
+
+def fan_out_steps(n: int, start_one, slots: Slots | None) -> Iterator:
+    """The ``ChunkStep`` streams of ``n`` calls merged into one (OpenAI's streamed ``n``: each chunk's choice
+    has its ``index``, all chunks the first call's id); each step's statistics count the tokens of all choices
+    so far. ``start_one(i)`` starts choice i's stream (primed: its prompt decoded). With ``slots`` the choices
+    run in parallel sequences (the first alone until its prompt is decoded, the others branching it), else one
+    after another. Closing the merged stream stops every choice at its next step."""
+    counts = [0] * n
+    first = start_one(0)
+    cid = None
+
+    def tag(step, i):
+        nonlocal cid
+        cid = cid or step.chunk["id"]
+        if step.stats is not None:
+            counts[i] = step.stats.n_generated_tokens
+        return _tagged(step, i, cid, sum(counts))
+
+    if slots is None:
+        streams = [first]
+        try:
+            for i in range(n):
+                steps = first if i == 0 else start_one(i)
+                streams.append(steps)
+                for step in steps:
+                    yield tag(step, i)
+        finally:
+            for s in streams:
+                s.close()
+        return
+    out: queue.Queue = queue.Queue(maxsize=64)
+    stop = threading.Event()
+    DONE = object()
+
+    def pump(i, steps):
+        try:
+            steps = steps if steps is not None else start_one(i)
+            try:
+                for step in steps:
+                    if stop.is_set():
+                        break
+                    out.put((i, step))
+            finally:
+                steps.close()
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            out.put((i, e))
+        out.put((i, DONE))
+
+    threads = [threading.Thread(target=pump, args=(0, first), daemon=True)]
+    threads += [threading.Thread(target=pump, args=(i, None), daemon=True) for i in range(1, n)]
+    for t in threads:
+        t.start()
+    running = n
+    try:
+        while running:
+            i, item = out.get()
+            if item is DONE:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield tag(item, i)
+    finally:
+        stop.set()
+        while any(t.is_alive() for t in threads):  # let the pumps see ``stop`` (drain what they put)
+            try:
+                out.get(timeout=0.05)
+            except queue.Empty:
+                pass
+
+
+def generate_batch(llama, prompts: list, **kwargs) -> list[dict]:
+    """Complete every prompt of ``prompts`` (texts or token lists) with ``llama.create_completion(**kwargs)``,
+    ``llama.n_parallel`` at a time, decoded together: the responses in prompt order, each with its own
+    statistics (``"epikv"``: its sequence's live cells, evictions, tokens/s). For offline jobs (a data set
+    through a bounded cache); ``stream`` is not accepted. The first error is raised once all have stopped."""
+    if kwargs.get("stream"):
+        raise ConfigError("generate_batch returns whole responses: stream is not accepted")
+    prompts = list(prompts)
+    out: list = [None] * len(prompts)
+    errors: list = []
+    todo = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def worker():
+        while not errors:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                out[i] = llama.create_completion(prompts[i], **kwargs)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(e)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(len(prompts), llama.n_parallel))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
     return out

@@ -138,17 +138,18 @@ class SequencePool(Closing):
         with self._cond:
             return self.n_seq - len(self._sessions)
 
-    def open(self, record: bool = False, budget: BudgetConfig | None = None):
-        """A new session in a free sequence of this pool (ConfigError when all ``n_seq`` are leased). budget:
-        its own (kv_budget at most the pool's), default the pool's."""
+    def open(self, record: bool = False, budget: BudgetConfig | None = None, seq_id: int | None = None):
+        """A new session in a free sequence of this pool (ConfigError when all ``n_seq`` are leased, or
+        ``seq_id`` is given and leased). budget: its own (kv_budget at most the pool's), default the pool's."""
         from .session import Session
 
-        return Session(self.model, self._new_policy(), budget or self.budget, self.cfg, record=record, pool=self)
+        return Session(self.model, self._new_policy(), budget or self.budget, self.cfg, record=record, pool=self,
+                       seq_id=seq_id)
 
     def _new_policy(self) -> Policy:
         return copy.deepcopy(self._pristine)
 
-    def _lease(self, session) -> int:
+    def _lease(self, session, seq_id: int | None = None) -> int:
         with self._cond:
             if self._closed:
                 raise NativeError("the sequence pool is closed")
@@ -157,6 +158,12 @@ class SequencePool(Closing):
                     raise ConfigError("this policy instance already serves a sequence of the pool")
                 self._prototype_taken = True
             free = [i for i in range(self.n_seq) if i not in self._sessions]
+            if seq_id is not None:
+                if not 0 <= seq_id < self.n_seq:
+                    raise ConfigError(f"sequence {seq_id} does not exist (0..{self.n_seq - 1})")
+                if seq_id not in free:
+                    raise ConfigError(f"sequence {seq_id} is in use")
+                free = [seq_id]
             if not free:
                 raise ConfigError(f"all {self.n_seq} sequences of this context are in use (n_parallel={self.n_seq})")
             self._sessions[free[0]] = session

@@ -97,11 +97,12 @@ class Session(Closing):
     """One sequence: its budget, policy, capture state and eviction engine, in a pool of one or a shared one.
 
     pool: None creates (and owns) a pool of one sequence; else the shared pool this session leases a sequence
-    of (use ``pool.open()``). seq_id: the sequence's id in the context.
+    of (use ``pool.open()``). seq_id: the sequence to lease (None: the lowest free one); ``self.seq_id`` is
+    its id in the context.
     """
 
     def __init__(self, model: Model, policy: Policy, budget: BudgetConfig, cfg: SessionConfig | None = None,
-                 record: bool = False, *, pool=None):
+                 record: bool = False, *, pool=None, seq_id: int | None = None):
         from .pool import SequencePool
 
         self._owns_pool = pool is None
@@ -127,7 +128,7 @@ class Session(Closing):
         try:
             if not self._owns_pool and policy.bind(model.info.shape) != pool.signals:
                 raise ConfigError(f"policy {policy.name!r} captures other signals than this pool's")
-            self.seq_id = pool._lease(self)
+            self.seq_id = pool._lease(self, seq_id)
         except BaseException:
             if self._owns_pool:
                 pool.close()

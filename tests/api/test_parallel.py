@@ -95,3 +95,12 @@ def test_bad_n_is_a_config_error(parallel, kw, match):
 def test_bad_n_parallel_is_a_config_error(model_path, n):
     with pytest.raises(ConfigError, match="n_parallel"):
         ek.Llama(str(model_path), n_parallel=n)
+
+
+def test_generate_batch_answers_in_prompt_order_with_stats_per_sequence(parallel):
+    prompts = [" ".join([w] * 12) for w in ["apple", "river", "guitar", "planet", "apple"]]
+    out = ek.generate_batch(parallel, prompts, max_tokens=8, temperature=0)
+    assert len(out) == 5 and all(0 < r["epikv"]["max_live_cells"] <= 128 for r in out)
+    assert out[0]["choices"][0]["text"] == out[4]["choices"][0]["text"]  # the same prompt, the same answer
+    with pytest.raises(ConfigError, match="stream"):
+        ek.generate_batch(parallel, prompts, stream=True)

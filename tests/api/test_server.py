@@ -402,11 +402,21 @@ def test_itemA_include_usage_sends_the_usage_chunk_before_done(server, model_pat
     assert all("usage" not in json.loads(d) for d in plain[:-1])
 
 
-def test_itemA_n_above_one_is_a_clear_400(server):
-    for path, body in (("/v1/chat/completions", {"messages": CHAT, "n": 2}),
-                       ("/v1/completions", {"prompt": "Hi", "n": 3})):
+def test_itemA_n_out_of_range_is_a_clear_400(server):
+    for path, body in (("/v1/chat/completions", {"messages": CHAT, "n": 9}),
+                       ("/v1/completions", {"prompt": "Hi", "n": 0})):
         err = assert_openai_error(*http("POST", server.base + path, body), 400)
-        assert err["param"] == "n" and "n must be 1" in err["message"]
+        assert err["param"] == "n" and "n must be in 1..8" in err["message"]
+
+
+def test_n_choices_with_one_sequence_one_after_another(server, model_path):
+    client = server.client()
+    r = client.chat.completions.create(model=model_path.name, messages=CHAT, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content  # greedy: the same answer twice
+    assert 2 <= r.usage.completion_tokens <= 12
+    chunks = list(client.completions.create(model=model_path.name, prompt="Hello", max_tokens=3, n=2, stream=True))
+    assert {c.choices[0].index for c in chunks} == {0, 1} and len({c.id for c in chunks}) == 1
 
 
 def test_itemA_tokenize_detokenize_props_in_llama_servers_shapes(server, model_path):

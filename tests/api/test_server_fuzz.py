@@ -34,7 +34,8 @@ KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 #: every operation of the schema (a new endpoint fails test_itemC_the_schema_has_these_operations until added)
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/props"), ("GET", "/health")]
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/props"), ("GET", "/health"),
+              ("GET", "/slots"), ("POST", "/slots/{id_slot}")]
 COUNTS: dict = {}
 
 

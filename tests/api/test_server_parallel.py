@@ -15,8 +15,11 @@ QUESTIONS = [f"Write the number {i} in words, then count to three." for i in ran
 
 
 @pytest.fixture(scope="module")
-def server(model_path):
-    with serving(model_path, "--parallel", "4", "--metrics", "--max-queue", "8") as s:
+def server(model_path, tmp_path_factory):
+    saves = tmp_path_factory.mktemp("slots")
+    with serving(model_path, "--parallel", "4", "--metrics", "--max-queue", "8", "--slot-save-path",
+                 str(saves)) as s:
+        s.saves = saves
         yield s
 
 
@@ -94,3 +97,52 @@ def test_a_client_that_leaves_frees_its_sequence(server, model_path):
     after = server.health()
     assert after["busy"] is False and after["cancelled"] == before["cancelled"] + 1
     assert after["tokens_generated"] - before["tokens_generated"] < 1000
+
+
+def test_n_three_choices_share_the_prompt_and_stream_with_their_index(server, model_path):
+    client = server.client()
+    prompt = ("Here are some notes about rivers, mountains and the weather in the north of the country, "
+              "written for a geography class. Continue the notes:")
+    r = client.completions.create(model=model_path.name, prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert 3 <= r.usage.completion_tokens <= 24
+    assert len({c.text for c in r.choices}) > 1  # seeds 7, 8, 9
+    chunks = list(client.chat.completions.create(model=model_path.name, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=6, temperature=0, n=2, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert texts[0] and texts[0] == texts[1] and len({c.id for c in chunks}) == 1  # greedy: twice the same
+
+
+def test_slot_save_erase_restore_continues_with_identical_logits(server, model_path):
+    from test_server import assert_openai_error
+
+    client = server.client()
+    turn1 = [{"role": "user", "content": "My name is Ada. Remember it."}]
+    a = client.chat.completions.create(model=model_path.name, messages=turn1, max_tokens=12, temperature=0)
+    slot = next(s for s in http("GET", server.base + "/slots")[1] if s["n_past"] > 0 and not s["is_processing"])
+    status, saved = http("POST", server.base + f"/slots/{slot['id']}?action=save", {"filename": "ada.bin"})
+    assert status == 200 and saved["n_tokens"] == slot["n_past"] and (server.saves / "ada.bin").is_file()
+    turn2 = turn1 + [{"role": "assistant", "content": a.choices[0].message.content},
+                     {"role": "user", "content": "What is my name?"}]
+
+    def follow_up():
+        r = client.chat.completions.create(model=model_path.name, messages=turn2, max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+        return [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]) for t in r.choices[0].logprobs.content]
+
+    first = follow_up()
+    for sid in range(4):  # every slot erased: nothing of the conversation is left anywhere
+        status, body = http("POST", server.base + f"/slots/{sid}?action=erase", {})
+        assert status == 200, body
+    assert all(s["n_past"] == 0 for s in http("GET", server.base + "/slots")[1])
+    status, restored = http("POST", server.base + f"/slots/{slot['id']}?action=restore", {"filename": "ada.bin"})
+    assert status == 200 and restored["n_tokens"] == slot["n_past"]
+    assert follow_up() == first
+    for bad in ("../x.bin", "/etc/passwd", ".hidden", "a/b", ""):
+        err = assert_openai_error(*http("POST", server.base + f"/slots/0?action=save", {"filename": bad}), 400)
+        assert err["param"] == "filename"
+    assert_openai_error(*http("POST", server.base + "/slots/0?action=explode", {}), 400)
+    assert_openai_error(*http("POST", server.base + "/slots/9?action=erase", {}), 400)
+    assert_openai_error(*http("POST", server.base + "/slots/0?action=restore", {"filename": "missing.bin"}), 400)

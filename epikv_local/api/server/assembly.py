@@ -34,8 +34,28 @@ def _merge_tool_calls(calls: dict, deltas) -> None:
         call["function"]["arguments"] += fn.get("arguments") or ""
 
 
+def _by_choice(chunks: list[dict]) -> list[list[dict]]:
+    """The chunks of each choice (``n`` > 1 interleaves them; each chunk carries one choice), by index."""
+    groups: dict = {}
+    for c in chunks:
+        groups.setdefault(c["choices"][0].get("index", 0), []).append(c)
+    return [groups[i] for i in sorted(groups)]
+
+
 def assemble_chat(chunks: list[dict], stats) -> dict:
-    """A ``chat.completion`` from its ``chat.completion.chunk``s (as the Llama's non-streaming call returns)."""
+    """A ``chat.completion`` from its ``chat.completion.chunk``s (as the Llama's non-streaming call returns),
+    one choice per index."""
+    first = chunks[0]
+    choices, ext = [], None
+    for i, group in enumerate(_by_choice(chunks)):
+        choice, ext_i = _chat_choice(group)
+        choices.append(dict(choice, index=i))
+        ext = ext if ext is not None else ext_i
+    return {"id": first["id"], "object": "chat.completion", "created": first["created"], "model": first["model"],
+            "choices": choices, "usage": _usage(stats), responses.EXTENSION: ext}
+
+
+def _chat_choice(chunks: list[dict]) -> tuple[dict, dict | None]:
     role, content, reasoning, finish, ext = "assistant", [], [], None, None
     entries, with_logprobs, calls = [], False, {}
     for c in chunks:
@@ -55,28 +75,26 @@ def assemble_chat(chunks: list[dict], stats) -> dict:
         message["reasoning_content"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    first = chunks[0]
-    return {"id": first["id"], "object": "chat.completion", "created": first["created"], "model": first["model"],
-            "choices": [{"index": 0, "message": message,
-                         "logprobs": {"content": entries, "refusal": None} if with_logprobs else None,
-                         "finish_reason": finish}],
-            "usage": _usage(stats), responses.EXTENSION: ext}
+    return {"index": 0, "message": message, "logprobs": {"content": entries, "refusal": None} if with_logprobs
+            else None, "finish_reason": finish}, ext
 
 
 def assemble_completion(chunks: list[dict], stats) -> dict:
-    """A ``text_completion`` from its stream chunks."""
-    text, finish, ext, parts = [], None, None, []
-    for c in chunks:
-        choice = c["choices"][0]
-        text.append(choice.get("text") or "")
-        parts.append(choice.get("logprobs"))
-        finish = choice.get("finish_reason") or finish
-        ext = c.get(responses.EXTENSION, ext)
+    """A ``text_completion`` from its stream chunks, one choice per index."""
+    choices, ext = [], None
+    for i, group in enumerate(_by_choice(chunks)):
+        text, finish, parts = [], None, []
+        for c in group:
+            choice = c["choices"][0]
+            text.append(choice.get("text") or "")
+            parts.append(choice.get("logprobs"))
+            finish = choice.get("finish_reason") or finish
+            ext = c.get(responses.EXTENSION, ext) if i == 0 else ext
+        choices.append({"text": "".join(text), "index": i, "logprobs": lp.merge(parts) if any(parts) else None,
+                        "finish_reason": finish})
     first = chunks[0]
     return {"id": first["id"], "object": "text_completion", "created": first["created"], "model": first["model"],
-            "choices": [{"text": "".join(text), "index": 0, "logprobs": lp.merge(parts) if any(parts) else None,
-                         "finish_reason": finish}],
-            "usage": _usage(stats), responses.EXTENSION: ext}
+            "choices": choices, "usage": _usage(stats), responses.EXTENSION: ext}
 
 
 def usage_chunk(last: dict, stats) -> dict:

@@ -62,6 +62,8 @@ def add_args(p) -> None:
                    help="sequences decoded together, each request in its own, each within --kv-budget "
                         "(llama-server's -np; the KV cache holds N budgets)")
     p.add_argument("--metrics", action="store_true", help="serve GET /metrics (Prometheus text)")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="folder for POST /slots/{id}?action=save|restore (llama-server's); off when unset")
     p.add_argument("--share-prompt-cache", action="store_true",
                    help="let a request reuse the cached prompt prefix of another key's (off: reset between keys)")
     for flag, kind, default, text in LIMIT_ARGS:
@@ -80,6 +82,8 @@ def _check_args(args) -> None:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 1 <= args.parallel <= 256:
         raise ConfigError(f"--parallel must be in 1..256, got {args.parallel}")
+    if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
+        raise ConfigError(f"--slot-save-path {args.slot_save_path} is not a folder")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ConfigError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     api_keys(args.api_key)
@@ -228,7 +232,7 @@ def run(args) -> int:
             app = create_app(llama, model_alias=alias, api_key=args.api_key, max_queue=args.max_queue,
                              limits=server_limits(args), cors_origins=cors_origins(args.cors_origins),
                              check_host=is_loopback(args.host), share_prompt_cache=args.share_prompt_cache,
-                             metrics=args.metrics)
+                             metrics=args.metrics, slot_save_path=args.slot_save_path)
             _serve(uvicorn, app, sock, f"epikv-local: serving {alias} on {_url(sock)}", args.verbose)
         finally:
             if app is None:

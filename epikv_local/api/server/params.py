@@ -75,13 +75,22 @@ def max_tokens(body, limits: Limits) -> int:
     return asked
 
 
+#: the most choices one request may ask for (``n``): each is a generation of up to max_tokens
+MAX_CHOICES = 8
+
+
+def choices(body) -> int:
+    """The request's ``n`` (checked by :func:`request_kwargs`)."""
+    return body.n or 1
+
+
 def request_kwargs(body, alias: str, input_field: str, limits: Limits) -> dict:
     """The request's fields as Llama arguments (unset ones take the Llama's defaults), checked, without
     ``input_field`` (``"messages"`` or ``"prompt"``: the caller converts it) and without a text-keyed
     ``logit_bias`` (:func:`token_bias`). ``alias``: the model id responses carry, whatever ``model`` says."""
     excluded = {input_field, "logit_bias"} if body.logit_bias_type == "tokens" else {input_field}
-    if body.n not in (None, 1):
-        raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in 1..{MAX_CHOICES} (choices per request), got {body.n}", param="n")
     if getattr(body, "best_of", None) not in (None, 1):
         raise APIError(400, f"best_of must be 1, got {body.best_of}", param="best_of")
     if body.min_tokens:

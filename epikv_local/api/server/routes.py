@@ -11,6 +11,7 @@ fastapi and the modules that import it at the top (:mod:`.errors`, :mod:`.params
 FastAPI reads the endpoints' annotations, whose classes are local to :func:`create_app`.)
 """
 
+import functools
 from pathlib import Path
 
 from ...errors import ConfigError
@@ -33,16 +34,24 @@ def api_keys(api_key) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
+def slot_file_name_ok(name: str) -> bool:
+    """A slot file's name: a plain name inside --slot-save-path (no folder, no traversal, no hidden file)."""
+    return 0 < len(name) <= 128 and not name.startswith(".") and all(c.isascii() and (c.isalnum() or c in "._-")
+                                                                    for c in name)
+
+
 def create_app(llama, *, model_alias: str | None = None, api_key=None, max_queue: int = DEFAULT_MAX_QUEUE,
                limits: Limits | None = None, cors_origins=None, check_host: bool = False,
-               share_prompt_cache: bool = False, metrics: bool = False):
+               share_prompt_cache: bool = False, metrics: bool = False, slot_save_path=None):
     """A FastAPI app serving ``llama`` (an :class:`epikv_local.Llama`) under the id ``model_alias`` (default: the
     model file's name). ``api_key``: the bearer token(s) required on every path but ``/health`` (None: open;
     several: a list or a comma-separated string, each key one client identity). ``max_queue``: requests that
     may wait while one runs. ``limits``: one request's :class:`~.limits.Limits`. ``cors_origins``: the allowed
     browser origins (None: loopback ones; ``["*"]``: any). ``check_host``: accept loopback ``Host`` names only
     (for a server bound to a loopback address). ``share_prompt_cache``: let a request reuse the cached prompt
-    prefix of another identity. ``metrics``: serve ``GET /metrics`` (Prometheus text). The app does not close the Llama; its ``state.epikv.close()`` does so safely
+    prefix of another identity. ``metrics``: serve ``GET /metrics`` (Prometheus text). ``slot_save_path``: the
+    folder ``POST /slots/{id}?action=save|restore`` writes and reads (None: those actions are refused). The app
+    does not close the Llama; its ``state.epikv.close()`` does so safely
     (after a worker thread still inside it returns)."""
     try:
         from fastapi import APIRouter, Depends, FastAPI, Request
@@ -50,7 +59,8 @@ def create_app(llama, *, model_alias: str | None = None, api_key=None, max_queue
 
         from .errors import HANDLERS, APIError, OpenAIRoute
         from .extras import add_routes
-        from .params import ChatRequest, CompletionRequest, chat_kwargs, completion_kwargs, include_usage, token_bias
+        from .params import (ChatRequest, CompletionRequest, chat_kwargs, choices, completion_kwargs, include_usage,
+                             token_bias)
         from .streaming import respond, start
     except ImportError as e:
         raise ConfigError(f"the server needs llama-cpp-python's server extra ({e.name} is missing): "
@@ -72,6 +82,9 @@ def create_app(llama, *, model_alias: str | None = None, api_key=None, max_queue
     open_router = APIRouter()
 
     async def complete(request, body, method, kwargs, assemble):
+        n = choices(body)
+        if n > 1:  # n streams merged (each chunk's choice has its index), sharing the prompt's cells
+            method = functools.partial(llama.choice_steps, n, method)
         job = await start(service, request, method, kwargs, token_bias(body), limits)
         return await respond(service, request, job, body.stream, assemble, limits,
                              usage_chunk if include_usage(body) else None)
@@ -99,6 +112,32 @@ def create_app(llama, *, model_alias: str | None = None, api_key=None, max_queue
     async def slots():
         """llama-server's /slots: one entry per sequence (live cells, budget, evictions, positions, state)."""
         return [dict(slot, is_processing=slot["leased"]) for slot in llama.slots()]
+
+    @router.post("/slots/{id_slot}", dependencies=[Depends(authenticate)])
+    async def slot_action(id_slot: int, request: Request, action: str = ""):
+        """llama-server's slot actions: ``save`` / ``restore`` (body ``{"filename": NAME}``, a plain file name
+        inside --slot-save-path) and ``erase``."""
+        import anyio
+
+        path = None
+        if action in ("save", "restore"):
+            if slot_save_path is None:
+                raise APIError(400, "slot save and restore need the server to run with --slot-save-path",
+                               param="action")
+            try:
+                body = await request.json()
+            except ValueError:
+                body = None
+            name = body.get("filename") if isinstance(body, dict) else None
+            if not isinstance(name, str) or not slot_file_name_ok(name):
+                raise APIError(400, "filename must be a plain file name (letters, digits, '.', '-', '_'; not "
+                                    "starting with '.'; at most 128 characters)", param="filename")
+            path = Path(slot_save_path) / name
+        elif action != "erase":
+            raise APIError(400, f"action must be save, restore or erase, got {action!r}", param="action")
+        with service.borrow():
+            result = await anyio.to_thread.run_sync(lambda: llama.slot_action(id_slot, action, path))
+        return dict(result, filename=path.name if path is not None else None)
 
     if metrics:
         from fastapi.responses import Response
