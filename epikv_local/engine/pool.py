@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,55 @@ from .handles import Closing, Context, Model
 
 #: how long a round's leader waits for the other generating sequences to post their next token (seconds)
 GATHER_S = 0.005
+
+
+class _DecodeThread:
+    """Runs every ``llama_decode`` of a pool of several sequences in one thread. llama.cpp's CPU backend
+    (built with OpenMP) keeps a team of worker threads per calling thread, and rounds led by different
+    threads left several teams competing for the cores: measured on 2 cores, SmolLM2 decoded at about half
+    speed from a second thread once the first had decoded (docs/parallel.md). A pool of one decodes in its
+    caller's thread."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="epikv-decode", daemon=True)
+        self._thread.start()
+
+    def run(self, fn):
+        """``fn()`` in the decode thread: its value, or its exception re-raised here. Waits for it to end even
+        through a Ctrl-C (re-raised after), so that no round starts while a decode still runs."""
+        box: dict = {}
+        done = threading.Event()
+        self._jobs.put((fn, box, done))
+        interrupted = False
+        while True:
+            try:
+                if done.wait(0.1):
+                    break
+            except KeyboardInterrupt:
+                interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fn, box, done = item
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=60)
 
 
 @dataclass
@@ -126,6 +176,10 @@ class SequencePool(Closing):
                                   "whole decode): use n_parallel=1, or the layer_out route and an "
                                   "attention-free policy")
             self.ctx.set_kv_full_callback(self._on_kv_full)
+            self._decoder = None
+            if n_seq > 1:
+                self._decoder = _DecodeThread()
+                stack.callback(self._decoder.close)  # after the context is freed (stack order: reverse)
             self._stack = stack.pop_all()
 
     # -- leasing ------------------------------------------------------------------------------------------
@@ -317,7 +371,10 @@ class SequencePool(Closing):
         self._in_round = [req.session for req, *_ in parts]
         t0 = time.perf_counter()
         try:
-            self.ctx.decode(tokens, pos, seq_id=seqs, outputs=outs)
+            if self._decoder is None:
+                self.ctx.decode(tokens, pos, seq_id=seqs, outputs=outs)
+            else:
+                self._decoder.run(lambda: self.ctx.decode(tokens, pos, seq_id=seqs, outputs=outs))
         finally:
             self._in_round = []
         dt = time.perf_counter() - t0

