@@ -11,7 +11,7 @@ llama-server ``-np N``, flash attention on, a context that holds every stream wh
 of concurrent 8,192-token streams whose KV fits in 256 MiB, from the measured bytes per KV cell.
 
     python scripts/bench_parallel.py --models default,qwen2.5-coder-0.5b --ns 1,2,4,8 --tokens 256 \
-        --stock "$(bash scripts/build_llama_server.sh)" --out results/parallel.json
+        --stock build --out results/parallel.json
 """
 
 from __future__ import annotations
@@ -204,10 +204,19 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--kv-budget", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--stock", default=None, help="a stock llama-server binary for (c)")
+    p.add_argument("--stock", default=None,
+                   help="a stock llama-server binary for (c); 'build': scripts/build_llama_server.sh's")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
+    if args.stock == "build":
+        import subprocess
+
+        out = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_server.sh")], capture_output=True,
+                             text=True)
+        if out.returncode != 0:
+            raise benchlib.ConfigError(f"scripts/build_llama_server.sh failed: {out.stderr.strip()[-300:]}")
+        args.stock = out.stdout.strip().splitlines()[-1]
     run(args)
     return 0
 
