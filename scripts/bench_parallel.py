@@ -102,7 +102,7 @@ class Stock:
         import subprocess
         import tempfile
 
-        from test_server import free_port, http
+        from test_server import free_port, wait_healthy
 
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -111,18 +111,11 @@ class Stock:
                                       "-np", str(n), "-c", str(ctx), "-fa", "on", "-t", str(threads),
                                       "-tb", str(threads), "-b", "64", "-ub", "64", "--no-webui"],
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {self.text()[-2000:]}")
-            try:
-                if http("GET", self.base + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not come up")
-            time.sleep(0.3)
+        try:
+            wait_healthy(self.proc, self.base, self.text)
+        except RuntimeError:
+            self.__exit__()
+            raise
 
     def text(self) -> str:
         self.log.seek(0)

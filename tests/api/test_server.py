@@ -49,19 +49,11 @@ class Server:
             [sys.executable, "-m", "epikv_local.cli", "serve", "-m", str(model_path), "--kv-budget", str(BUDGET),
              "--port", str(self.port), "-t", "1", *extra],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
-        deadline = time.monotonic() + 180
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}: {self.stderr()}")
-            try:
-                if http("GET", self.base + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not come up: {self.stderr()}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(self.proc, self.base, self.stderr)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stderr(self) -> str:
         self.log.seek(0)
@@ -87,6 +79,23 @@ class Server:
         status, body = http("GET", self.base + "/health")
         assert status == 200 and body["status"] == "ok", (status, body)
         return body
+
+
+def wait_healthy(proc, base: str, log, seconds: float = 180) -> None:
+    """Wait until ``base``'s ``/health`` answers 200; RuntimeError (with ``log()``) when ``proc`` exits first
+    or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: {log()[-2000:]}")
+        try:
+            if http("GET", base + "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not come up: {log()[-2000:]}")
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager
@@ -244,15 +253,20 @@ def test_two_concurrent_clients_get_their_own_complete_answers(server, model_pat
     assert server.health()["busy"] is False
 
 
-def test_client_disconnecting_mid_stream_frees_the_model(server, model_path):
-    client = server.client()
-    before = server.health()
-    # a generation that cannot end by itself before 2000 tokens (end-of-generation tokens banned)
-    stream = client.completions.create(model=model_path.name, prompt="1, 2, 3, 4,", max_tokens=2000,
-                                       temperature=0, logit_bias=NO_EOG, stream=True)
+def leave_mid_stream(client, model: str) -> None:
+    """Start a generation that cannot end by itself before 2000 tokens (end-of-generation tokens banned), read
+    two chunks and leave."""
+    stream = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=2000, temperature=0,
+                                       logit_bias=NO_EOG, stream=True)
     it = iter(stream)
     next(it), next(it)
     stream.close()
+
+
+def test_client_disconnecting_mid_stream_frees_the_model(server, model_path):
+    client = server.client()
+    before = server.health()
+    leave_mid_stream(client, model_path.name)
     r = chat(client, model_path.name, max_tokens=8)  # served next, after the cut-off generation stopped
     assert r.choices[0].message.content and r.usage.completion_tokens <= 8
     after = server.health()

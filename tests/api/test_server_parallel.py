@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from test_server import BUDGET, NO_EOG, http, serving
+from test_server import BUDGET, http, leave_mid_stream, serving
 
 openai = pytest.importorskip("openai")
 
@@ -86,11 +86,7 @@ def test_slots_and_metrics_agree_with_what_was_served(server, model_path):
 def test_a_client_that_leaves_frees_its_sequence(server, model_path):
     client = server.client()
     before = server.health()
-    stream = client.completions.create(model=model_path.name, prompt="1, 2, 3, 4,", max_tokens=2000,
-                                       temperature=0, logit_bias=NO_EOG, stream=True)
-    it = iter(stream)
-    next(it), next(it)
-    stream.close()
+    leave_mid_stream(client, model_path.name)
     r = client.chat.completions.create(model=model_path.name, messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=4)
     assert r.choices[0].message.content is not None
