@@ -327,11 +327,8 @@ class Llama(LlamaExtras, Closing):
 
     def slots(self) -> list[dict]:
         """Per sequence: id, state, live cells, budget, evictions, positions, whether a call holds it."""
-        if self._slots is None:
-            st = self.session.stats()
-            return [{"id": 0, "state": "generating" if self.session.generating else "idle", "n_live": st.n_live,
-                     "kv_budget": st.kv_budget, "n_evicted": st.n_evicted, "n_past": st.n_past,
-                     "leased": self.session.generating}]
+        if self._slots is None:  # a pool of one
+            return [dict(slot, leased=slot["state"] == "generating") for slot in self.session.pool.slots()]
         return self._slots.snapshot()
 
     def slot_action(self, slot_id: int, action: str, path: str | os.PathLike | None = None) -> dict:

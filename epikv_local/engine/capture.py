@@ -164,15 +164,6 @@ class LayerOutCapture:
     def reset(self) -> None:
         self._prev = [None] * len(self.layers)
 
-    def state(self) -> list[np.ndarray | None]:
-        """The running state: per captured layer, the (n_embd,) last row seen (None before the first decode)."""
-        return [None if r is None else r.copy() for r in self._prev]
-
-    def set_state(self, rows: list[np.ndarray | None]) -> None:
-        if len(rows) != len(self.layers):
-            raise ValueError(f"{len(rows)} rows for {len(self.layers)} captured layers")
-        self._prev = [None if r is None else np.array(r, dtype=np.float32) for r in rows]
-
 
 class CallbackCapture:
     """Plain g route: the C eval callback captures ``l_out-<il>`` and computes g natively."""
@@ -329,16 +320,6 @@ class Capture:
         if requested and self.flash_attn is False:
             raise FlashAttnError("flash attention was requested but the decode graph has no FLASH_ATTN_EXT node "
                                  "(or still has kq_soft_max): this backend cannot honour it")
-
-    def state(self) -> list[np.ndarray | None] | None:
-        """The running state a saved sequence needs to continue (the previous residual rows of the layer_out
-        route); None when this capture keeps none in Python (the callback route keeps it in C and restarts)."""
-        return self.g.state() if hasattr(self.g, "state") else None
-
-    def set_state(self, state: list[np.ndarray | None] | None) -> None:
-        """Continue from :meth:`state` of a capture with the same plan."""
-        if state is not None and hasattr(self.g, "set_state"):
-            self.g.set_state(state)
 
     def reset(self) -> None:
         if self.g is not None:

@@ -31,7 +31,7 @@ import copy
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -113,14 +113,14 @@ class _Request:
 
 @dataclass
 class RoundStats:
-    """Counts since the pool was created: rounds decoded, tokens per round, sequences per round."""
+    """Counts since the pool was created: rounds decoded, tokens decoded, rounds that carried several
+    sequences, the most sequences in one round, seconds inside llama_decode."""
 
     n_rounds: int = 0
     n_tokens: int = 0
     n_shared: int = 0  # rounds that carried more than one sequence
     max_sequences: int = 0
     seconds: float = 0.0
-    sizes: list[int] = field(default_factory=list)  # sequences of each of the last rounds (bounded)
 
 
 class SequencePool(Closing):
@@ -385,8 +385,6 @@ class SequencePool(Closing):
         st.seconds += dt
         st.n_shared += len(parts) > 1
         st.max_sequences = max(st.max_sequences, len(parts))
-        st.sizes.append(len(parts))
-        del st.sizes[:-256]
         for req, n, start, p in parts:
             rows = [start + i for i in range(n) if outs[start + i]]
             try:

@@ -437,10 +437,9 @@ class Session(Closing):
         if self.closed:
             raise NativeError("session is closed")
         with self.pool.quiet():
-            child = Session(self.model, copy.deepcopy(self.policy), self.budget, self.cfg, record=record,
-                            pool=self.pool)
+            child = self.pool.open(record=record, budget=self.budget)
             try:
-                vars(child.policy).update(copy.deepcopy(vars(self.policy)))  # bind() reset the copy: take the state
+                vars(child.policy).update(copy.deepcopy(vars(self.policy)))  # a fresh policy: take this one's state
                 self.ctx.seq_copy(self.seq_id, child.seq_id, -1, -1)
                 child.engine.copy_from(self.engine)
                 child.n_past, child.tokens = self.n_past, list(self.tokens)
