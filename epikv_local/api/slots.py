@@ -5,7 +5,7 @@ together). A call takes, in this order of preference:
 
 1. the idle sequence whose cached tokens share the longest prefix with its prompt (multi-turn reuse: the
    conversation continues where it was, as with one sequence);
-2. a branch of a busy sequence that holds a longer prefix (``Session.fork``: the prompt's cells are shared,
+2. a branch of a busy sequence that holds a longer prefix, or the whole prompt (``Session.fork``: the prompt's cells are shared,
    not decoded again: this is how ``n`` > 1 answers to one prompt, or many requests with one system prompt,
    share the prompt's cells);
 3. a fresh sequence; and when every sequence is busy, it waits for one.
@@ -74,8 +74,11 @@ class Slots:
                 donors = [(shared(s), s) for s in self._busy if not s.closed]
                 donor = max(donors, key=lambda x: x[0], default=None)
                 room = self.pool.n_free > 0
-                if donor and donor[0] >= MIN_SHARED and donor[0] > (best[0] if best else 0) + MIN_SHARED \
-                        and (room or idle):
+                held = best[0] if best else 0
+                # a busy sequence holding the whole prompt is branched whenever no idle one does: the choices
+                # of one ``n`` > 1 call then sample from the same prompt logits (Session.rewind_to_prefix)
+                longer = donor is not None and (donor[0] > held + MIN_SHARED or donor[0] == len(tokens) > held)
+                if longer and donor[0] >= MIN_SHARED and (room or idle):
                     if not room:  # give up the idle sequence that shares the least, to branch the donor
                         _, _, gone = min(idle, key=lambda x: x[0])
                         self._idle.remove(gone)

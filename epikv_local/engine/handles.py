@@ -265,18 +265,30 @@ class Model(_Owned):
         self.path = check_gguf(path)
         self.nat = native or load()
         endpoints = parse_rpc_servers(rpc_servers)
-        for endpoint in endpoints:
-            self.nat.add_rpc_server(endpoint)
+        self._endpoints: list[str] = []  # RPC servers registered for this model (released when it is freed)
+        try:
+            for endpoint in endpoints:
+                self.nat.add_rpc_server(endpoint)
+                self._endpoints.append(endpoint)
+            self._load(endpoints, n_gpu_layers)
+        except BaseException:
+            if self._handle is not None:
+                self.close()  # frees the model, then releases its servers
+            self._release_rpc()
+            raise
+
+    def _load(self, endpoints: list[str], n_gpu_layers: int) -> None:
         ll = self.nat.llama
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        devices = self.nat.offload_devices(endpoints)
-        if devices is not None:  # NULL-terminated ggml_backend_dev_t array, alive until the model is loaded
-            dev_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
-            params.devices = ctypes.cast(dev_array, ctypes.c_void_p).value
-        self.nat.log.clear()
-        handle = self.nat.create(lambda: ll.llama_model_load_from_file(str(self.path).encode(), params),
-                                 ll.llama_model_free)
+        with self.nat.registry_lock:  # the device list stays the registry's until the model is loaded
+            devices = self.nat.offload_devices(endpoints)
+            if devices is not None:  # NULL-terminated ggml_backend_dev_t array, alive until the model is loaded
+                dev_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+                params.devices = ctypes.cast(dev_array, ctypes.c_void_p).value
+            self.nat.log.clear()
+            handle = self.nat.create(lambda: ll.llama_model_load_from_file(str(self.path).encode(), params),
+                                     ll.llama_model_free)
         if not handle:
             raise ModelError(f"llama.cpp could not load {self.path}: {self.nat.log.recent_errors() or 'unknown error'}")
         self._handle = handle
@@ -323,6 +335,12 @@ class Model(_Owned):
                               "(sessions); close them before the model")
         self.nat.llama.llama_model_free(self._handle)
         self._vocab = None
+        self._release_rpc()
+
+    def _release_rpc(self) -> None:
+        for endpoint in self._endpoints:
+            self.nat.release_rpc_server(endpoint)
+        self._endpoints = []
 
     # -- metadata, tokens --------------------------------------------------------------------------------
     @native_call
@@ -494,7 +512,8 @@ class Context(_Owned):
             p.cb_eval_user_data = ctypes.c_void_p(cb_eval_user_data)
         self.flash_attn_requested = flash_attn
         self.nat.log.clear()
-        handle = self.nat.create(lambda: ll.llama_init_from_model(model.handle, p), ll.llama_free)
+        with self.nat.registry_lock:
+            handle = self.nat.create(lambda: ll.llama_init_from_model(model.handle, p), ll.llama_free)
         if not handle:
             raise NativeError(f"llama_init_from_model failed: {self.nat.log.recent_errors() or 'unknown error'}")
         self._handle = handle

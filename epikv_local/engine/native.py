@@ -56,7 +56,10 @@ RPC_CDEF = """
 typedef struct ggml_backend_reg * ggml_backend_reg_t;
 typedef struct ggml_backend_device * ggml_backend_dev_t;
 ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
+ggml_backend_reg_t ggml_backend_rpc_reg(void);
 void ggml_backend_register(ggml_backend_reg_t reg);
+void ggml_backend_device_register(ggml_backend_dev_t device);
+void ggml_backend_unload(ggml_backend_reg_t reg);
 size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
 ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
 size_t ggml_backend_dev_count(void);
@@ -205,38 +208,71 @@ class Native:
     log: LlamaLog
     _keep: list = field(default_factory=list)
     rpc: Any = None  # cffi handles of libggml-rpc + libggml (None when built without GGML_RPC)
-    _rpc_servers: dict = field(default_factory=dict)  # endpoint -> its devices (cffi pointers)
+    _rpc_servers: dict = field(default_factory=dict)  # endpoint -> (its ggml_backend_reg_t, its devices)
+    _rpc_users: dict = field(default_factory=dict)  # endpoint -> open models that asked for it
+    #: held while ggml's device registry changes and while a model or context is created (they read it;
+    #: the registry itself has no lock)
+    registry_lock: threading.RLock = field(default_factory=threading.RLock)
 
     def add_rpc_server(self, endpoint: str) -> int:
-        """Register the devices of an ``rpc-server`` at ``host:port`` with ggml (once per endpoint and process);
-        models loaded afterwards offload layers to them. Returns the number of devices it added."""
+        """Register the devices of an ``rpc-server`` at ``host:port`` with ggml for one more model; models
+        loaded meanwhile may offload layers to them. Returns the number of devices it has. Each call is paired
+        with :meth:`release_rpc_server` when that model is freed."""
         if self.rpc is None:
             raise NativeError("this build has no RPC backend: rebuild with CMAKE_ARGS=\"-DGGML_RPC=ON\" "
                               "(rm -rf build first)")
-        if endpoint not in self._rpc_servers:
-            g = self.rpc[1]
-            reg = self.rpc[0].ggml_backend_rpc_add_server(endpoint.encode())
-            if reg == self.ffi.NULL:
-                raise self.error(f"ggml_backend_rpc_add_server({endpoint}) failed")
-            g.ggml_backend_register(reg)
-            self._rpc_servers[endpoint] = [g.ggml_backend_reg_dev_get(reg, i)
-                                           for i in range(g.ggml_backend_reg_dev_count(reg))]
-        return len(self._rpc_servers[endpoint])
+        with self.registry_lock:
+            if endpoint not in self._rpc_servers:
+                g = self.rpc[1]
+                reg = self.rpc[0].ggml_backend_rpc_add_server(endpoint.encode())
+                if reg == self.ffi.NULL:
+                    raise self.error(f"ggml_backend_rpc_add_server({endpoint}) failed")
+                g.ggml_backend_register(reg)
+                self._rpc_servers[endpoint] = (reg, [g.ggml_backend_reg_dev_get(reg, i)
+                                                     for i in range(g.ggml_backend_reg_dev_count(reg))])
+            self._rpc_users[endpoint] = self._rpc_users.get(endpoint, 0) + 1
+            return len(self._rpc_servers[endpoint][1])
+
+    def release_rpc_server(self, endpoint: str) -> None:
+        """One model that asked for ``endpoint`` is freed; with the last, its devices leave ggml's registry.
+        Why: ggml's registry is the process's, and a model loaded with llama.cpp's default device list (any
+        other llama.cpp user in the process: llama-cpp-python's ``Llama``, a vocabulary-only load) asks every
+        registered device for its memory, and an RPC device whose server is gone aborts the process."""
+        with self.registry_lock:
+            n = self._rpc_users.get(endpoint, 0) - 1
+            if n > 0:
+                self._rpc_users[endpoint] = n
+                return
+            self._rpc_users.pop(endpoint, None)
+            entry = self._rpc_servers.pop(endpoint, None)
+            if entry is None:
+                return
+            # ggml-rpc gives every server's devices the one global RPC registration as their owner, so
+            # unloading the server's own registration leaves its devices listed: unload the global one (all
+            # RPC devices, nothing is closed), put it back (it has no devices of its own: ``reg_by_name("RPC")``
+            # keeps working), then list again the devices of the servers still in use
+            rpc, g = self.rpc
+            g.ggml_backend_unload(entry[0])
+            g.ggml_backend_unload(rpc.ggml_backend_rpc_reg())
+            g.ggml_backend_register(rpc.ggml_backend_rpc_reg())
+            for _, devices in self._rpc_servers.values():
+                for dev in devices:
+                    g.ggml_backend_device_register(dev)
 
     def offload_devices(self, endpoints: list[str]) -> list[int] | None:
         """The devices a model may offload to (addresses for ``llama_model_params.devices``): the named RPC
-        servers' devices, then the local GPUs; None (llama.cpp's default: every device) while no RPC server was
-        ever registered. A registered server stays in ggml's registry for the process's lifetime, so a model
+        servers' devices, then the local GPUs; None (llama.cpp's default: every device) while no RPC server is
+        registered. A server stays in ggml's registry while any model that asked for it is open, so a model
         that did not ask for it must be given an explicit list that leaves it out."""
         if not self._rpc_servers:
             return None
         g = self.rpc[1]
-        remote = {self.address(d) for devs in self._rpc_servers.values() for d in devs}
+        remote = {self.address(d) for _, devs in self._rpc_servers.values() for d in devs}
         local = [g.ggml_backend_dev_get(i) for i in range(g.ggml_backend_dev_count())]
         gpus = [self.address(d) for d in local if g.ggml_backend_dev_type(d) == DEV_TYPE_GPU
                 and self.address(d) not in remote]
         igpus = [self.address(d) for d in local if g.ggml_backend_dev_type(d) == DEV_TYPE_IGPU]
-        wanted = [self.address(d) for ep in endpoints for d in self._rpc_servers[ep]]
+        wanted = [self.address(d) for ep in endpoints for d in self._rpc_servers[ep][1]]
         return wanted + (gpus or igpus)
 
     # -- pointer conversion between llama_cpp (ctypes) handles and cffi ------------------------------------

@@ -125,6 +125,10 @@ class Session(Closing):
         self._rows: list[int] = []  # batch indices of this sequence's output rows in decode number _rows_round
         self._rows_round = -1
         self._kept: list[np.ndarray] | None = None  # those rows, copied when another sequence's decode came
+        # (n, logits) of the last prompt fed: the next-token logits after tokens[:n], so that a call with the
+        # same prompt again (a branch answering choice i of n, a regeneration) samples from the very same row
+        # instead of decoding the last prompt token again (a one-token decode rounds differently from a chunk)
+        self._prompt_end: tuple[int, np.ndarray] | None = None
         try:
             if not self._owns_pool and policy.bind(model.info.shape) != pool.signals:
                 raise ConfigError(f"policy {policy.name!r} captures other signals than this pool's")
@@ -312,6 +316,7 @@ class Session(Closing):
             self._new_engine(self.budget)
             self.n_past = 0
             self.tokens = []
+            self._prompt_end = None
 
     def save_state(self, path) -> None:
         """Save the sequence (KV cells with their holes, bookkeeping, policy state) to a file; see ``state``."""
@@ -328,11 +333,14 @@ class Session(Closing):
         with self.pool.quiet():
             state.load(self, path)  # reads and checks the whole file before touching this session
             self._forget_rows()
+            self._prompt_end = None
 
     def rewind_to_prefix(self, tokens: list[int]) -> int:
         """Keep the longest common prefix of the sequence and ``tokens`` (cache, evictions and all), drop the
-        rest, and return where feeding ``tokens`` must resume: ``tokens[start:]`` goes next, and at least the
-        last token is always left to feed (its logits are needed).
+        rest, and return where feeding ``tokens`` must resume: ``tokens[start:]`` goes next. At least the last
+        token is left to feed (its logits are needed), unless ``tokens`` is the last prompt fed and its logits
+        are kept (see ``feed``): then the sequence is cut back to the prompt, the next sample reads those
+        logits, and ``len(tokens)`` is returned (nothing to feed).
 
         The resume point can lie before the common prefix when the tokens just before it were evicted
         (llama.cpp continues a sequence only after its last stored position); those are decoded again. The
@@ -340,6 +348,14 @@ class Session(Closing):
         unchanged, re-decoded tokens are scored afresh).
         """
         with self._use(), self.pool.quiet():
+            end = self._prompt_end
+            if end is not None and end[0] == len(tokens) <= len(self.tokens) and self.tokens[:end[0]] == tokens:
+                if end[0] < self.n_past:
+                    self.n_past = self.engine.truncate(end[0])
+                    del self.tokens[self.n_past:]
+                if self.n_past == end[0]:  # the prompt's last cell is still held: continue right after it
+                    self._rows, self._rows_round, self._kept = [], -1, [end[1].copy()]
+                    return self.n_past
             n = 0
             limit = min(len(tokens) - 1, len(self.tokens))
             while n < limit and self.tokens[n] == tokens[n]:
@@ -347,6 +363,8 @@ class Session(Closing):
             if n < self.n_past:
                 self.n_past = self.engine.truncate(n)
                 del self.tokens[self.n_past:]
+            if self._prompt_end is not None and self._prompt_end[0] > self.n_past:
+                self._prompt_end = None
             return self.n_past
 
     def check_prompt(self, n_prompt: int) -> None:
@@ -401,6 +419,8 @@ class Session(Closing):
         for i in range(0, len(tokens), chunk):
             part = tokens[i:i + chunk]
             self.decode_chunk(part, logits_all=(logits == "all"), logits_last=(i + chunk >= len(tokens)))
+        if is_prompt:
+            self._prompt_end = (self.n_past, self.logits(-1).copy())
 
     def decode_chunk(self, part: list[int], logits_all: bool = False, logits_last: bool = True) -> None:
         """Evict if needed, decode ``part`` (<= n_batch tokens) at the next positions, score the new tokens. In a
@@ -444,6 +464,7 @@ class Session(Closing):
                 child.engine.copy_from(self.engine)
                 child.n_past, child.tokens = self.n_past, list(self.tokens)
                 child.capture.set_state(self.capture.state())
+                child._prompt_end = self._prompt_end  # its array is never written (rewind hands out a copy)
                 if self._rows_round == self.pool.round and self._rows:
                     child._kept = [self.ctx.logits(i).copy() for i in self._rows]
                 elif self._kept is not None:

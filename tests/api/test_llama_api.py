@@ -97,8 +97,10 @@ def test_completion_shapes_and_call(llm):
     assert all(c["object"] == "text_completion" for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == ch["text"]  # greedy: same text, second call
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "epikv" in chunks[-1]
-    # the second call found its whole prompt in the cache (all but the last token, whose logits are needed)
-    assert chunks[-1]["epikv"]["prompt_tokens_reused"] == out["usage"]["prompt_tokens"] - 1
+    # the second call found its whole prompt in the cache, and the logits after it (kept from the first call):
+    # nothing decoded again
+    assert chunks[-1]["epikv"]["prompt_tokens_reused"] == out["usage"]["prompt_tokens"]
+    assert chunks[-1]["epikv"]["prompt_tokens_decoded"] == 0
     echo = llm("Paris is", max_tokens=2, temperature=0, echo=True)
     assert echo["choices"][0]["text"].startswith("Paris is")
 

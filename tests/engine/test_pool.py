@@ -128,6 +128,29 @@ def test_fork_shares_the_prompt_cells_and_continues_alike(model):
     pool.close()
 
 
+def test_a_late_branch_answers_the_prompt_from_its_very_logits(model):
+    """``n`` > 1 choices branch the first one after it has generated a few tokens: rewinding the branch to the
+    prompt keeps the prompt's own next-token logits (bit for bit) instead of decoding the last prompt token
+    again, whose one-token decode rounds differently from the prompt's chunk (a greedy flip on the CI
+    machine). A different prompt, or one token less, still decodes."""
+    pool = SequencePool(model, make_policy("epikv"), BudgetConfig(kv_budget=128), CFG, n_seq=3)
+    parent = pool.open()
+    prompt = model.tokenize("Here are some notes about rivers, mountains and the weather in the north:")
+    with parent.generation(), parent.sampling(SamplingConfig(temperature=0)) as smp:
+        parent.feed(prompt, is_prompt=True)
+        first = parent.logits().copy()
+        for _ in range(5):
+            parent.decode_chunk([parent.sample(smp)])
+    kid = parent.fork()
+    assert kid.rewind_to_prefix(prompt) == len(prompt) == kid.n_past
+    assert np.array_equal(kid.logits(), first)
+    assert kid.rewind_to_prefix(prompt[:-1]) == len(prompt) - 2  # not the prompt fed: its last token decodes
+    assert parent.rewind_to_prefix(prompt + [prompt[0]]) == len(prompt)  # the prompt's cells kept, one to feed
+    for s in (kid, parent):
+        s.close()
+    pool.close()
+
+
 def test_callback_route_and_attention_policies_serve_one_sequence(model):
     with pytest.raises(ConfigError, match="one sequence per context"):
         SequencePool(model, make_policy("epikv"), BudgetConfig(kv_budget=64),
