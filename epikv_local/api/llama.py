@@ -196,7 +196,7 @@ class Llama(LlamaExtras, Closing):
         ``kwargs``, merged as OpenAI streams ``n`` choices (each chunk's choice has its ``index``; choice i uses
         seed + i); each step's statistics count all choices' tokens. With ``n_parallel`` >= n the choices share
         the prompt's cells and decode together (see :meth:`create_completion`)."""
-        n = self._n_choices(n, False)
+        n = self._n_choices(n)
         seed = kwargs.pop("seed", None)
         return fan_out_steps(n, lambda i: steps_method(**kwargs, seed=self._choice_seed(seed, i)), self._slots)
 
@@ -206,11 +206,9 @@ class Llama(LlamaExtras, Closing):
         return None if seed == LLAMA_DEFAULT_SEED else (seed + i) % MAX_SEED
 
     @staticmethod
-    def _n_choices(n, stream: bool) -> int:
+    def _n_choices(n) -> int:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
             raise ConfigError(f"n must be an integer in 1..128, got {n!r}")
-        if n > 1 and stream:
-            raise ConfigError("n > 1 with stream=True is not supported: stream one answer per call")
         return n
 
     # -- construction helpers ----------------------------------------------------------------------------------
@@ -481,13 +479,15 @@ class Llama(LlamaExtras, Closing):
         ``stream=True``. Sampling defaults suit reasoning models (temperature 0.6, top-p 0.95) and
         ``max_tokens=None`` lets the generation run to its end: the KV budget bounds memory, not length.
         n: answers to sample (OpenAI's ``n``; choice i uses seed + i when a seed is given), in parallel
-        sequences sharing the prompt's cells with ``n_parallel`` >= n, else one after another; not with
-        ``stream=True``. The other arguments mean what they mean in llama-cpp-python (see
+        sequences sharing the prompt's cells with ``n_parallel`` >= n, else one after another; streamed, each
+        chunk's choice has its ``index`` (:meth:`choice_steps`). The other arguments mean what they mean in llama-cpp-python (see
         :meth:`completion_steps`)."""
-        if self._n_choices(n, stream) > 1:
+        if self._n_choices(n) > 1:
             args = dict(locals())
             for k in ("self", "n", "stream", "__class__"):
                 args.pop(k, None)
+            if stream:
+                return (step.chunk for step in self.choice_steps(n, self.completion_steps, **args))
             return fan_out(n, lambda i: self.create_completion(**dict(args, seed=self._choice_seed(seed, i))), self._slots)
         steps = self.completion_steps(
             prompt, suffix=suffix, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
@@ -594,10 +594,12 @@ class Llama(LlamaExtras, Closing):
         ``tools`` / ``functions`` become grammars in the handler; a named ``tool_choice`` returns
         ``tool_calls``; ``logprobs=True`` (with ``top_logprobs``) gives chat logprobs. reasoning_budget: as in
         :meth:`completion_steps`. n: answers to sample, as in :meth:`create_completion`."""
-        if self._n_choices(n, stream) > 1:
+        if self._n_choices(n) > 1:
             args = dict(locals())
             for k in ("self", "n", "stream", "__class__"):
                 args.pop(k, None)
+            if stream:
+                return (step.chunk for step in self.choice_steps(n, self.chat_completion_steps, **args))
             return fan_out(n, lambda i: self.create_chat_completion(**dict(args, seed=self._choice_seed(seed, i))),
                            self._slots)
         kwargs = dict(functions=functions, function_call=function_call, tools=tools, tool_choice=tool_choice,

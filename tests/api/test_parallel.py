@@ -84,8 +84,23 @@ def test_n_with_one_sequence_runs_one_after_another(model_path):
         assert [x["index"] for x in c["choices"]] == [0, 1]
 
 
+def test_n_streamed_gives_each_choice_its_index_and_the_answers_of_the_unstreamed_call(parallel):
+    """Streamed ``n``: every chunk carries its choice's index, all one id; greedy choices are twice the same
+    answer (they sample the prompt's one logits row), and each is the unstreamed call's answer."""
+    msgs = [{"role": "user", "content": LONG}]
+    chunks = list(parallel.create_chat_completion(msgs, max_tokens=8, temperature=0, n=2, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c["choices"][0]["index"]] += c["choices"][0]["delta"].get("content") or ""
+    assert texts[0] and texts[0] == texts[1] and len({c["id"] for c in chunks}) == 1
+    whole = parallel.create_chat_completion(msgs, max_tokens=8, temperature=0, n=2)
+    assert [c["message"]["content"] for c in whole["choices"]] == [texts[0], texts[1]]
+    pieces = list(parallel.create_completion(LONG, max_tokens=6, temperature=1.0, seed=3, n=3, stream=True))
+    assert {c["choices"][0]["index"] for c in pieces} == {0, 1, 2}
+
+
 @pytest.mark.parametrize("kw,match", [({"n": 0}, "n must be"), ({"n": True}, "n must be"),
-                                      ({"n": 2, "stream": True}, "stream")])
+                                      ({"n": 129}, "n must be")])
 def test_bad_n_is_a_config_error(parallel, kw, match):
     with pytest.raises(ConfigError, match=match):
         parallel.create_completion("hi", max_tokens=2, **kw)
