@@ -46,11 +46,11 @@ GATHER_S = 0.005
 
 
 class _DecodeThread:
-    """Runs every ``llama_decode`` of a pool of several sequences in one thread. llama.cpp's CPU backend
-    (built with OpenMP) keeps a team of worker threads per calling thread, and rounds led by different
-    threads left several teams competing for the cores: measured on 2 cores, SmolLM2 decoded at about half
-    speed from a second thread once the first had decoded (docs/parallel.md). A pool of one decodes in its
-    caller's thread."""
+    """Runs every ``llama_decode`` of a pool in one thread. llama.cpp's CPU backend (built with OpenMP) keeps
+    a team of worker threads per calling thread, and decodes from different threads left several teams
+    competing for the cores: measured on 2 cores, a pool of one generated 30-43 tokens/s from a second thread
+    once the main thread had decoded, against 74-77 from the main thread alone (with this thread: 73-77 from
+    either; docs/parallel.md). A server runs each request in a thread of its own, a chat UI its callbacks."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -176,10 +176,8 @@ class SequencePool(Closing):
                                   "whole decode): use n_parallel=1, or the layer_out route and an "
                                   "attention-free policy")
             self.ctx.set_kv_full_callback(self._on_kv_full)
-            self._decoder = None
-            if n_seq > 1:
-                self._decoder = _DecodeThread()
-                stack.callback(self._decoder.close)  # after the context is freed (stack order: reverse)
+            self._decoder = _DecodeThread()
+            stack.callback(self._decoder.close)  # after the context is freed (stack order: reverse)
             self._stack = stack.pop_all()
 
     # -- leasing ------------------------------------------------------------------------------------------
@@ -371,10 +369,7 @@ class SequencePool(Closing):
         self._in_round = [req.session for req, *_ in parts]
         t0 = time.perf_counter()
         try:
-            if self._decoder is None:
-                self.ctx.decode(tokens, pos, seq_id=seqs, outputs=outs)
-            else:
-                self._decoder.run(lambda: self.ctx.decode(tokens, pos, seq_id=seqs, outputs=outs))
+            self._decoder.run(lambda: self.ctx.decode(tokens, pos, seq_id=seqs, outputs=outs))
         finally:
             self._in_round = []
         dt = time.perf_counter() - t0
