@@ -31,31 +31,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_rpc_server() -> tuple[subprocess.Popen, str]:
+    """A real rpc-server on a free 127.0.0.1 port, answering: (its process, its endpoint). The caller stops it."""
+    port = free_port()
+    proc = subprocess.Popen([str(rpc_server_path()), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.terminate()
+    proc.wait(timeout=30)
+    pytest.fail(f"rpc-server on 127.0.0.1:{port} did not start")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def rpc_servers():
-    exe = rpc_server_path()
     procs, endpoints = [], []
     try:
         for _ in range(2):
-            port = free_port()
-            procs.append(subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            endpoints.append(f"127.0.0.1:{port}")
-        for ep in endpoints:
-            host, port = ep.split(":")
-            for _ in range(100):
-                try:
-                    socket.create_connection((host, int(port)), timeout=1).close()
-                    break
-                except OSError:
-                    time.sleep(0.1)
-            else:
-                pytest.fail(f"rpc-server on {ep} did not start")
+            proc, endpoint = start_rpc_server()
+            procs.append(proc)
+            endpoints.append(endpoint)
         yield endpoints
     finally:
         for p in procs:
-            p.terminate()
-            p.wait(timeout=30)
+            stop(p)
+
+
+def assert_loads_locally(model_path) -> None:
+    """A model loaded without RPC servers puts its KV cache on the local CPU, none of it on an RPC device."""
+    with Model(model_path, n_gpu_layers=-1) as m:
+        m.nat.log.info.clear()
+        with Context(m, n_ctx=256, n_batch=64, n_threads=1):
+            pass
+        assert not any("RPC" in line for line in m.nat.log.info)
+        assert any("CPU KV buffer size" in line for line in m.nat.log.info)
 
 
 def logits_of(model, tokens):
@@ -105,12 +123,7 @@ def test_a_model_without_rpc_servers_stays_local_after_one_used_them(model_path,
     """RPC devices are in ggml's registry (the process's) while a model that asked for them is open: a model
     loaded meanwhile without them must not offload there."""
     with Model(model_path, n_gpu_layers=-1, rpc_servers=",".join(rpc_servers)) as first:
-        with Model(model_path, n_gpu_layers=-1) as m:
-            m.nat.log.info.clear()
-            with Context(m, n_ctx=256, n_batch=64, n_threads=1):
-                pass
-            assert not any("RPC" in line for line in m.nat.log.info)
-            assert any("CPU KV buffer size" in line for line in m.nat.log.info)
+        assert_loads_locally(model_path)
         assert first.nat.rpc[1].ggml_backend_dev_count() > 1
 
 
@@ -120,41 +133,26 @@ def test_rpc_devices_leave_the_registry_with_the_last_model_so_default_loads_sur
     afterwards with llama.cpp's *default* device list (llama-cpp-python's ``Llama`` in the same process, a
     vocabulary-only load) no longer asks the gone server for its memory, which aborted the whole process
     (ggml-rpc: "Failed to connect"; it took the test suite down when run in another order)."""
-    exe = rpc_server_path()
-    port = free_port()
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        other = Model(model_path, n_gpu_layers=-1, rpc_servers=rpc_servers[0])  # another server, still in use
+    with Model(model_path, n_gpu_layers=-1, rpc_servers=rpc_servers[0]) as other:  # another server, still in use
         g, ll = other.nat.rpc[1], other.nat.llama
         base = g.ggml_backend_dev_count()
-        with Model(model_path, n_gpu_layers=-1, rpc_servers=f"127.0.0.1:{port}"):
-            inside = g.ggml_backend_dev_count()
-            assert inside == base + 1
-            with Model(model_path, n_gpu_layers=-1, rpc_servers=f"127.0.0.1:{port}"):
-                pass  # a second user of the same server: closing it keeps the devices for the first
-            assert g.ggml_backend_dev_count() == inside
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    assert g.ggml_backend_dev_count() == base  # the other server's device is still listed
-    with Session(other, make_policy("epikv"), BudgetConfig(kv_budget=32), SessionConfig(n_batch=16, n_threads=1)) as s:
-        s.feed(other.tokenize("The other server still computes its layers."), is_prompt=True)
-        assert np.isfinite(s.logits()).all()
-    other.close()
+        proc, endpoint = start_rpc_server()
+        try:
+            with Model(model_path, n_gpu_layers=-1, rpc_servers=endpoint):
+                inside = g.ggml_backend_dev_count()
+                assert inside == base + 1
+                with Model(model_path, n_gpu_layers=-1, rpc_servers=endpoint):
+                    pass  # a second user of the same server: closing it keeps the devices for the first
+                assert g.ggml_backend_dev_count() == inside
+        finally:
+            stop(proc)
+        assert g.ggml_backend_dev_count() == base  # the other server's device is still listed
+        with Session(other, make_policy("epikv"), BudgetConfig(kv_budget=32),
+                     SessionConfig(n_batch=16, n_threads=1)) as s:
+            s.feed(other.tokenize("The other server still computes its layers."), is_prompt=True)
+            assert np.isfinite(s.logits()).all()
     assert g.ggml_backend_dev_count() == base - 1
     handle = ll.llama_model_load_from_file(str(model_path).encode(), ll.llama_model_default_params())
     assert handle  # the process is still alive, and the model loaded on the local devices
     ll.llama_model_free(handle)
-    with Model(model_path, n_gpu_layers=-1) as m:
-        m.nat.log.info.clear()
-        with Context(m, n_ctx=256, n_batch=64, n_threads=1):
-            pass
-        assert not any("RPC" in line for line in m.nat.log.info)
-        assert any("CPU KV buffer size" in line for line in m.nat.log.info)
+    assert_loads_locally(model_path)
