@@ -52,10 +52,16 @@ def haystack(data: Path, model, n_tokens: int, seed: int) -> list[int]:
     return tokens[:n_tokens]
 
 
+def seeds_of(args) -> range:
+    """The cases' seeds: the dev cases (policies were designed on) are seeds below 1000, the reported ones from
+    --first-seed 1000 on."""
+    return range(args.first_seed, args.first_seed + args.seeds)
+
+
 def passkey_cases(args) -> list[dict]:
     return [{"id": f"d{depth:.2f}-s{seed}", "depth": depth, "seed": seed,
              "code": str(random.Random(seed * 7919 + int(depth * 100)).randrange(10000, 99999))}
-            for depth in args.depths for seed in range(args.seeds)]
+            for depth in args.depths for seed in seeds_of(args)]
 
 
 def run_passkey(llm, case: dict, args) -> tuple[str, dict]:
@@ -66,12 +72,12 @@ def run_passkey(llm, case: dict, args) -> tuple[str, dict]:
     messages = [{"role": "user", "content": "Read the notes below; a secret code is hidden in them.\n\n" + context
                  + "\n\nWhat is the secret code? Answer with the number only."}]
     out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.answer_tokens)
-    return out["choices"][0]["message"].get("content") or "", out
+    return out["choices"][0]["message"].get("content") or "", [out]
 
 
 def multiturn_cases(args) -> list[dict]:
     out = []
-    for seed in range(args.seeds):
+    for seed in seeds_of(args):
         r = random.Random(seed)
         out.append({"id": f"c{seed}-{FACTS[seed % 3][0]}", "seed": seed, "ask": seed % 3,
                     "values": [make(r) for _, _, _, make in FACTS]})
@@ -82,16 +88,16 @@ def run_multiturn(llm, case: dict, args) -> tuple[str, dict]:
     values = case["values"]
     messages = [{"role": "user", "content": "Hi! I will tell you a few things about me; remember them."}]
     turns = [FACTS[i][1].format(v=values[i]) for i in range(3)] + [FILLERS[(case["seed"] + k) % 4] for k in range(3)]
-    out = None
+    outs = []
     for text in turns:  # turn 1 is above; turns 2-4 give facts, 5-7 ask for long answers
-        out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.filler_tokens)
-        messages += [{"role": "assistant", "content": out["choices"][0]["message"].get("content") or ""},
+        outs.append(llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.filler_tokens))
+        messages += [{"role": "assistant", "content": outs[-1]["choices"][0]["message"].get("content") or ""},
                      {"role": "user", "content": text}]
-    out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.filler_tokens)
-    messages += [{"role": "assistant", "content": out["choices"][0]["message"].get("content") or ""},
+    outs.append(llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.filler_tokens))
+    messages += [{"role": "assistant", "content": outs[-1]["choices"][0]["message"].get("content") or ""},
                  {"role": "user", "content": FACTS[case["ask"]][2]}]
-    out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.answer_tokens)
-    return out["choices"][0]["message"].get("content") or "", out
+    outs.append(llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.answer_tokens))
+    return outs[-1]["choices"][0]["message"].get("content") or "", outs
 
 
 def run(args) -> int:
@@ -122,16 +128,19 @@ def run(args) -> int:
             for case in todo:
                 llm.reset()
                 t0 = time.perf_counter()
-                answer, out = (run_passkey if args.task == "passkey" else run_multiturn)(llm, case, args)
+                answer, outs = (run_passkey if args.task == "passkey" else run_multiturn)(llm, case, args)
                 want = case["code"] if args.task == "passkey" else case["values"][case["ask"]]
-                ext = out["epikv"]
+                # over the whole case: every call of a conversation evicts (each reports its own count)
                 rec = {**config, "setting": name, "policy": policy, "budget": None if name == "full" else budget,
                        **case, "want": want, "answer": answer[:200],
-                       "correct": want.lower() in answer.lower(), "n_evicted": ext["n_evicted"],
-                       "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2)}
+                       "correct": want.lower() in answer.lower(),
+                       "n_evicted": sum(o["epikv"]["n_evicted"] for o in outs),
+                       "max_live_cells": max(o["epikv"]["max_live_cells"] for o in outs),
+                       "tokens": outs[-1]["usage"]["prompt_tokens"] + outs[-1]["usage"]["completion_tokens"],
+                       "seconds": round(time.perf_counter() - t0, 2)}
                 append_record(records, rec)
                 log(f"  {case['id']}: {'right' if rec['correct'] else 'wrong'} ({answer[:40]!r} vs {want!r}), "
-                    f"{rec['n_evicted']} evicted, {rec['seconds']} s")
+                    f"{rec['n_evicted']} evicted of {rec['tokens']} tokens, {rec['seconds']} s")
     return merge(args) if args.out else 0
 
 
@@ -179,6 +188,8 @@ def parser() -> ArgParser:
     p.add_argument("--context", type=int, default=1024, help="passkey: tokens of context (>= 4 x the budget)")
     p.add_argument("--depths", type=csv_of(float, "--depths"), default=[0.1, 0.3, 0.5, 0.7, 0.9])
     p.add_argument("--seeds", type=int, default=4, help="cases per depth (passkey) or conversations (multiturn)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="first case seed: below 1000 for development (dev), 1000 and up for reported results")
     p.add_argument("--filler-tokens", type=int, default=200, help="multiturn: tokens of each long answer")
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--full-budget", type=int, default=8192)

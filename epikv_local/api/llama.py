@@ -33,6 +33,7 @@ from ..engine.native import load
 from ..engine.sampling import MAX_SEED, SamplingConfig
 from ..engine.session import Session
 from ..errors import ConfigError, EpikvError, utf8
+from ..policies import DEFAULT_POLICY
 from . import hub, responses
 from .chat import flatten_text_parts, message_problem
 from .chat_call import HandlerCall, chat_arguments, chat_steps, split_message
@@ -112,7 +113,7 @@ class Llama(LlamaExtras, Closing):
     def __init__(self, model_path: str | os.PathLike, *, n_gpu_layers: int = -1, n_ctx: int | None = None,
                  n_batch: int = 64, n_threads: int | None = None, seed: int = LLAMA_DEFAULT_SEED,
                  flash_attn: bool = True, type_k=None, type_v=None, chat_format: str | None = None,
-                 chat_handler=None, verbose: bool = False, kv_budget: int | None = None, kv_policy: str = "epikv",
+                 chat_handler=None, verbose: bool = False, kv_budget: int | None = None, kv_policy: str = DEFAULT_POLICY,
                  kv_policy_settings: dict | None = None, n_sink: int = 4, n_recent: int | None = None,
                  recent_fraction: float | None = None, protect_prompt: bool = True, evict_chunk: int = 16,
                  reasoning_format: str = "deepseek", reasoning_budget: int = -1, capture_route: str = "layer_out",

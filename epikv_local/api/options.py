@@ -10,7 +10,7 @@ import argparse
 
 from ..engine.budget import DEFAULT_KV_BUDGET
 from ..errors import ConfigError
-from ..policies import REGISTRY
+from ..policies import DEFAULT_POLICY, REGISTRY
 
 
 def layers_arg(text: str) -> tuple[int, ...]:
@@ -50,7 +50,7 @@ def add_budget_args(p: argparse.ArgumentParser, kv_budget: int = DEFAULT_KV_BUDG
     reasoning budget --reasoning-budget."""
     attn = sorted(n for n, s in REGISTRY.items() if s.cls.needs_attention)
     p.add_argument("--kv-budget", type=int, default=kv_budget, metavar="N", help="maximum live KV cells")
-    p.add_argument("--policy", "--kv-policy", dest="policy", choices=sorted(REGISTRY), default="epikv",
+    p.add_argument("--policy", "--kv-policy", dest="policy", choices=sorted(REGISTRY), default=DEFAULT_POLICY,
                    metavar="POLICY",
                    help=f"eviction policy: {', '.join(sorted(REGISTRY))} (the attention-based ones need "
                         f"--no-flash-attn: {', '.join(attn)})")

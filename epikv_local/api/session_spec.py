@@ -19,6 +19,7 @@ from ..engine.budget import DEFAULT_KV_BUDGET, BudgetConfig
 from ..engine.handles import Model
 from ..engine.pool import SequencePool
 from ..engine.session import Session, SessionConfig, check_policy_fits
+from ..policies import DEFAULT_POLICY
 from ..policies.base import Policy
 from .calibration import CalibrationResult, resolve_policy
 
@@ -44,7 +45,7 @@ class SessionSpec:
 
 
 def resolve_session(model_path: str | os.PathLike | None, *, kv_budget: int = DEFAULT_KV_BUDGET,
-                    kv_policy: str = "epikv", kv_policy_settings: dict | None = None, n_sink: int = 4,
+                    kv_policy: str = DEFAULT_POLICY, kv_policy_settings: dict | None = None, n_sink: int = 4,
                     n_recent: int | None = None, recent_fraction: float | None = None, protect_prompt: bool = True,
                     evict_chunk: int = 16, n_batch: int = 64, n_threads: int | None = None, flash_attn: bool = True,
                     capture_route: str = "layer_out", verify_flash_attn: bool = True, type_k=None,

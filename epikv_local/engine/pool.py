@@ -102,6 +102,7 @@ class _Request:
     tokens: list[int]
     logits_all: bool
     logits_last: bool
+    given: bool = False
     done: int = 0
     finished: bool = False
     error: BaseException | None = None
@@ -270,10 +271,11 @@ class SequencePool(Closing):
                 used[: len(cells)] |= cells >= 0
             return int(used.sum())
 
-    def decode(self, session, tokens: list[int], logits_all: bool = False, logits_last: bool = True) -> None:
+    def decode(self, session, tokens: list[int], logits_all: bool = False, logits_last: bool = True,
+               given: bool = False) -> None:
         """Decode ``tokens`` at ``session``'s next positions, in rounds shared with the other sequences; returns
         when all are decoded (the session's state then reflects them) or raises the error of its part."""
-        req = _Request(session, [int(t) for t in tokens], logits_all, logits_last)
+        req = _Request(session, [int(t) for t in tokens], logits_all, logits_last, given)
         with self._cond:
             self._pending.append(req)
             self._cond.notify_all()
@@ -384,7 +386,7 @@ class SequencePool(Closing):
             rows = [start + i for i in range(n) if outs[start + i]]
             try:
                 req.session._after_decode(p, req.tokens[req.done:req.done + n], slice(start, start + n), len(tokens),
-                                          rows, self.round, dt)
+                                          rows, self.round, dt, req.given)
                 req.done += n
                 req.finished = req.done == len(req.tokens)
             except BaseException as e:  # noqa: BLE001 - its policy's error is its own

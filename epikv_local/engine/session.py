@@ -418,22 +418,25 @@ class Session(Closing):
         chunk = self.engine.prefill_chunk(self.cfg.n_batch) if len(tokens) > 1 else 1
         for i in range(0, len(tokens), chunk):
             part = tokens[i:i + chunk]
-            self.decode_chunk(part, logits_all=(logits == "all"), logits_last=(i + chunk >= len(tokens)))
+            self.decode_chunk(part, logits_all=(logits == "all"), logits_last=(i + chunk >= len(tokens)),
+                              given=is_prompt)
         if is_prompt:
             self._prompt_end = (self.n_past, self.logits(-1).copy())
 
-    def decode_chunk(self, part: list[int], logits_all: bool = False, logits_last: bool = True) -> None:
+    def decode_chunk(self, part: list[int], logits_all: bool = False, logits_last: bool = True,
+                     given: bool = False) -> None:
         """Evict if needed, decode ``part`` (<= n_batch tokens) at the next positions, score the new tokens. In a
-        shared pool the decode may carry other sequences' tokens too (``SequencePool.decode``)."""
+        shared pool the decode may carry other sequences' tokens too (``SequencePool.decode``). given: the
+        tokens are text the caller gave (a prompt), not the model's own (``Observation.given``)."""
         if self._generating:
             self._check_cancelled()
         if not 1 <= len(part) <= self.cfg.n_batch:
             raise ConfigError(f"decode takes 1..{self.cfg.n_batch} tokens, got {len(part)}")
         with self._use():
-            self.pool.decode(self, part, logits_all, logits_last)
+            self.pool.decode(self, part, logits_all, logits_last, given)
 
     def _after_decode(self, pos: np.ndarray, part: list[int], rows: slice, n_total: int, out_rows: list[int],
-                      round_: int, seconds: float) -> None:
+                      round_: int, seconds: float, given: bool = False) -> None:
         """The pool decoded ``part`` at ``pos`` as rows ``rows`` of a decode of ``n_total`` tokens (number
         ``round_``, taking ``seconds``): book the cells, route the captured rows to the policy."""
         self.decode_seconds += seconds
@@ -442,6 +445,7 @@ class Session(Closing):
         self.tokens.extend(part)
         self._rows, self._rows_round, self._kept = out_rows, round_, None
         obs = self.capture.observe(pos, rows, n_total)
+        obs.given = np.full(len(part), given)
         self.capture.check_flash_attn(self.cfg.flash_attn)
         self.policy.observe(obs)
 

@@ -24,6 +24,7 @@ from .mix import EpikvMixPolicy
 from .none import NoEviction
 from .random_policy import RandomPolicy
 from .rkv import RKVPolicy, RKVRedundancyPolicy
+from .said import SaidEpikvPolicy, SaidPolicy
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingLLM
 from .tova import TOVAPolicy
@@ -62,6 +63,10 @@ _SPECS = [
     PolicySpec("epikv_mix", EpikvMixPolicy, help="EPIKV rank-mixed with KeyDiff (and TriAttention); calibrated weights"),
     PolicySpec("triattention", TriAttentionPolicy, help="TriAttention: expected future attention from pre-RoPE "
                "query statistics"),
+    PolicySpec("said", SaidPolicy, help="the words a caller gave (every chat turn) before the model's own; "
+               "a base scorer within each (streaming)"),
+    PolicySpec("said_epikv", SaidEpikvPolicy, help="as said, EPIKV's score within each group (the default: on one "
+               "protected prompt it is epikv)"),
     PolicySpec("rkv_redundancy", RKVRedundancyPolicy, help="R-KV's redundancy term: older near-duplicate keys go"),
     PolicySpec("rkv", RKVPolicy, help="R-KV: attention importance minus key redundancy (flash attention off)"),
     PolicySpec("calibrated", Policy, help="the policy, settings and recent share that `epikv-local calibrate` "
@@ -73,6 +78,10 @@ _SPECS = [
 
 #: name -> PolicySpec of every registered policy
 REGISTRY: dict[str, PolicySpec] = {s.name: s for s in _SPECS}
+#: the policy of every front door when none is named: EPIKV's score, with the words a caller gave in later chat
+#: turns kept before the model's own (on a single protected prompt it evicts exactly as ``epikv``); chosen on
+#: the recall benchmark (docs/benchmarks.md)
+DEFAULT_POLICY = "said_epikv"
 
 
 def policy_spec(name: "str | PolicySpec") -> PolicySpec:
@@ -105,5 +114,5 @@ def make_policy(name: "str | PolicySpec", **options) -> Policy:
 
 __all__ = ["ModelShape", "Observation", "Policy", "PolicySpec", "Signals", "EpikvPolicy", "StreamingLLM",
            "NoEviction", "RandomPolicy", "KNormPolicy", "KeyDiffPolicy", "LagKVPolicy", "H2OPolicy", "TOVAPolicy",
-           "SnapKVPolicy", "EpikvMixPolicy", "TriAttentionPolicy", "RKVPolicy", "RKVRedundancyPolicy",
+           "SnapKVPolicy", "EpikvMixPolicy", "TriAttentionPolicy", "RKVPolicy", "RKVRedundancyPolicy", "SaidPolicy", "SaidEpikvPolicy", "DEFAULT_POLICY",
            "REGISTRY", "make_policy", "policy_spec"]

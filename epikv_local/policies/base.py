@@ -71,6 +71,9 @@ class Observation:
     attn_received: (C,) float32 attention the cells received from the T new queries (mean over captured
         layers and heads, so each query contributes 1), or None.
     attn_last: (C,) float32 attention from the newest query, same normalisation, or None.
+    given: (T,) bool, True for tokens the caller gave (a prompt, a later chat turn: the user's or a tool's
+        words) and False for tokens the model sampled or text fed without being a prompt (a teacher-forced
+        trace); None when no session built the observation.
     """
 
     positions: np.ndarray
@@ -80,6 +83,7 @@ class Observation:
     cell_pos: np.ndarray | None = None
     attn_received: np.ndarray | None = None
     attn_last: np.ndarray | None = None
+    given: np.ndarray | None = None
 
 
 @dataclass

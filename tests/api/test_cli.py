@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from epikv_local.policies import DEFAULT_POLICY
+
 CLI = [sys.executable, "-m", "epikv_local.cli"]
 
 
@@ -23,7 +25,7 @@ def test_generate_json(model_path):
     for key in ("policy", "kv_budget", "n_prompt_tokens", "n_generated_tokens", "n_evicted", "max_live_cells",
                 "decode_tokens_per_s", "prefill_tokens_per_s", "kv_bytes", "flash_attn", "text"):
         assert key in out, key
-    assert out["policy"] == "epikv" and out["kv_budget"] == 64
+    assert out["policy"] == DEFAULT_POLICY and out["kv_budget"] == 64
     assert out["n_generated_tokens"] == 150
     assert out["max_live_cells"] <= 64 and out["n_evicted"] > 0
     assert out["flash_attn"] is True

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from epikv_local.policies import DEFAULT_POLICY
 from epikv_local.api.llama import Llama, check_messages
 from epikv_local.api.reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
 from epikv_local.errors import BudgetError, ConfigError, EpikvError, ModelError
@@ -71,7 +72,7 @@ def test_llama_cpp_chat_script_with_only_the_import_changed(model_path, tmp_path
     assert last_chunk["object"] == "chat.completion.chunk" and last_chunk["id"].startswith("chatcmpl-")
     assert last_chunk["choices"][0]["finish_reason"] in ("stop", "length") and text1
     ext1 = last_chunk["epikv"]
-    assert EXT_KEYS <= set(ext1) and ext1["policy"] == "epikv" and ext1["flash_attn"] is True
+    assert EXT_KEYS <= set(ext1) and ext1["policy"] == DEFAULT_POLICY and ext1["flash_attn"] is True
     assert ext1["max_live_cells"] <= 96 and ext1["n_evicted"] > 0  # up to 120 tokens after a ~40-token prompt
     resp = report[1]["response"]
     assert resp["object"] == "chat.completion" and resp["choices"][0]["message"]["role"] == "assistant"

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from epikv_local.policies import DEFAULT_POLICY
+
 openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +147,7 @@ def epikv(obj) -> dict:
     ext = (obj.model_extra or {}).get("epikv")
     assert isinstance(ext, dict), obj
     assert ext["kv_budget"] == BUDGET and 0 < ext["max_live_cells"] <= BUDGET
-    assert ext["live_cells"] <= BUDGET and ext["flash_attn"] is True and ext["policy"] == "epikv"
+    assert ext["live_cells"] <= BUDGET and ext["flash_attn"] is True and ext["policy"] == DEFAULT_POLICY
     return ext
 
 
@@ -450,7 +452,7 @@ def test_itemA_tokenize_detokenize_props_in_llama_servers_shapes(server, model_p
     status, props = http("GET", server.base + "/props")
     assert status == 200 and props["total_slots"] == 1
     assert props["model_path"] == model_path.name and props["model_alias"] == model_path.name
-    assert props["epikv"] == {"kv_budget": BUDGET, "policy": "epikv"} and props["max_prompt_tokens"] == 4 * BUDGET
+    assert props["epikv"] == {"kv_budget": BUDGET, "policy": DEFAULT_POLICY} and props["max_prompt_tokens"] == 4 * BUDGET
     settings = props["default_generation_settings"]
     assert settings["n_ctx"] == BUDGET and settings["params"]["temperature"] == 0.6
     assert settings["params"]["n_predict"] == 8192 and "<|im_start|>" in props["chat_template"]

@@ -387,6 +387,7 @@ def test_save_refuses_state_that_is_not_data(model, tmp_path):
     ("lagkv", {}, True),                                    # dicts keyed by numpy integers
     ("epikv_mix", {"w_triattention": 1.0}, True),           # sub-policies, position rows, online query statistics
     ("rkv", {}, False),                                     # a deque of attention rows (flash attention off)
+    ("said_epikv", {}, True),                               # a base policy and the given/generated marks
 ])
 def test_every_kind_of_policy_state_round_trips(model, tmp_path, name, options, flash):
     mk = lambda: Session(model, make_policy(name, **options), BudgetConfig(kv_budget=40, n_recent=8),
@@ -397,12 +398,12 @@ def test_every_kind_of_policy_state_round_trips(model, tmp_path, name, options, 
     assert a.stats().n_evicted > 0
     a.save_state(tmp_path / "s.epikv")
     turn = model.tokenize(" And then?", add_special=False)
-    a.feed(turn)
+    a.feed(turn, is_prompt=True)  # a later turn: given text, marked as such
     ref, ref_toks = continue_greedy(a, model, 8)
     a.close()
     b = mk()
     b.load_state(tmp_path / "s.epikv")
-    b.feed(turn)
+    b.feed(turn, is_prompt=True)
     got, toks = continue_greedy(b, model, 8)
     b.close()
     assert toks == ref_toks

@@ -79,11 +79,11 @@ def test_scores_shape_dtype_determinism(name):
 def test_registry_and_families():
     assert set(ALL) == {"none", "streaming", "random", "knorm", "keydiff", "lagkv", "epikv", "epikv_lag",
                         "epikv_raw", "epikv_single", "h2o", "tova", "snapkv", "epikv_mix", "triattention",
-                        "rkv_redundancy", "rkv"}
+                        "rkv_redundancy", "rkv", "said", "said_epikv"}
     # traits are class attributes, read from the registry's classes
     assert {n for n in ALL if REGISTRY[n].cls.needs_attention} == {"h2o", "tova", "snapkv", "rkv"}
     assert {n for n in ALL if REGISTRY[n].cls.calibratable} == {"epikv", "epikv_lag", "epikv_raw", "epikv_single",
-                                                                "epikv_mix", "triattention"}
+                                                                "epikv_mix", "triattention", "said_epikv"}
     assert [n for n in ALL if not REGISTRY[n].cls.evicts] == ["none"]
     # variants are named configurations of one class, not copies
     assert make_policy("epikv_lag").normalization == "lag"
@@ -104,6 +104,8 @@ def test_registry_and_families():
     ("snapkv", {"kernel": 0}, "kernel"),
     ("lagkv", {"chunk": 1}, "chunk"),
     ("knorm", {"n_key_layers": 0}, "n_key_layers"),
+    ("said", {"base": "h2o"}, "base must be one of"),
+    ("said", {"share": 1.5}, "share"),
 ])
 def test_settings_are_validated_on_construction(name, options, match):
     with pytest.raises(ConfigError, match=match):

@@ -1,0 +1,100 @@
+"""Said: keep what the user said. The words a caller gave (every chat turn, tool results) outrank the model's
+own tokens; a base scorer orders the model's own.
+
+Why: only the prompt that starts a sequence is protected; a later chat turn is covered by the recent window
+like any new token. At ``kv_budget=256`` StreamingLLM and EPIKV lost a fact the user gave in turn 2-4 in every
+one of 12 conversations, while the full cache recalled all 12 (``scripts/bench_recall.py --task multiturn``,
+docs/benchmarks.md). The engine marks each decoded token as given (fed as a prompt) or generated
+(``Observation.given``); this policy scores
+
+    model's own token:  rank01(base(p))                    in [0, 1]
+    given token:        2 + rank01(order within the given)  in [2, 3]
+
+so the selection step evicts the model's own tokens (lowest base score first) before any given token, and
+given tokens only among themselves once the model's are gone: ``given_order="oldest"`` keeps the oldest
+given words longest (as a protected prompt is kept: what a conversation was set up with), ``"base"`` orders
+them by the base score too (on the dev conversations it lost facts that "oldest" kept). ``share`` bounds the
+given tier: at most ``round(share * N)`` of the N live positions keep it, so a long pasted document cannot
+crowd out all of the model's own text outside the recent window. Tokens decoded without a mark (teacher-forced
+text) count as the model's own: the policy is then its base. On one protected prompt every given token is
+protected, so ``said_epikv`` evicts exactly as ``epikv`` (tested).
+
+``base``: ``streaming`` (oldest first), ``epikv`` (the residual-stream score; ``layers`` and ``window`` as
+:class:`EpikvPolicy`) or ``keydiff``. Signals read: the base's (none for streaming), so flash attention stays
+on. Designed on the recall benchmark's dev conversations (seeds below 1000) only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..errors import ConfigError
+from .base import ModelShape, Observation, Policy, PositionScores, Signals, check_float
+from .epikv import EpikvPolicy
+from .keydiff import KeyDiffPolicy
+from .mix import rank01
+from .streaming import StreamingLLM
+
+BASES = ("streaming", "epikv", "keydiff")
+ORDERS = ("oldest", "base")
+
+
+@dataclass
+class SaidPolicy(Policy):
+    name: ClassVar[str] = "said"
+
+    base: str = "streaming"
+    share: float = 1.0
+    given_order: str = "oldest"
+    layers: tuple[int, ...] | None = None
+    window: int = 128
+
+    def __post_init__(self):
+        if self.base not in BASES:
+            raise ConfigError(f"said: base must be one of {', '.join(BASES)}, got {self.base!r}")
+        check_float("said", "share", self.share, 0.0, 1.0)
+        if self.given_order not in ORDERS:
+            raise ConfigError(f"said: given_order must be one of {', '.join(ORDERS)}, got {self.given_order!r}")
+        self._base: Policy = {"streaming": lambda: StreamingLLM(),
+                              "epikv": lambda: EpikvPolicy(layers=self.layers, window=self.window),
+                              "keydiff": lambda: KeyDiffPolicy()}[self.base]()
+        self._given = PositionScores()  # 1.0: given, 0.0: the model's own, NaN: never decoded
+        super().__post_init__()
+
+    def signals(self, shape: ModelShape) -> Signals:
+        return self._base.bind(shape)
+
+    def reset(self) -> None:
+        self._base.reset()
+        self._given.reset()
+
+    def observe(self, obs: Observation) -> None:
+        self._base.observe(obs)
+        given = np.zeros(len(obs.positions)) if obs.given is None else np.asarray(obs.given, dtype=np.float64)
+        self._given.set(obs.positions, given)
+
+    def score(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        rank = rank01(self._base.score(positions))
+        given = np.flatnonzero(self._given.get(positions) == 1.0)
+        within = rank01(-positions[given].astype(np.float64)) if self.given_order == "oldest" else rank[given]
+        keep = int(round(self.share * len(positions)))
+        if len(given) > keep:  # the share's worth of given tokens ranked highest within the group keep the tier
+            top = np.argsort(within, kind="stable")[len(given) - keep:]
+            given, within = given[top], within[top]
+        rank[given] = 2.0 + within  # strictly above every rank of the model's own (0..1)
+        return rank
+
+
+@dataclass
+class SaidEpikvPolicy(SaidPolicy):
+    """``said`` with EPIKV's score as its base. Calibratable: it takes a model's calibrated EPIKV layers and
+    window (and recent share) as ``epikv`` does, so on one protected prompt it is the calibrated ``epikv``."""
+
+    name: ClassVar[str] = "said_epikv"
+    calibratable: ClassVar[bool] = True
+
+    base: str = "epikv"

@@ -1,0 +1,97 @@
+"""The ``said`` policy: the words a caller gave outrank the model's own tokens; unit tests on synthetic marks, then
+a two-turn conversation on the real model where a later turn's words survive evictions that StreamingLLM makes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from epikv_local.api.generation import generate
+from epikv_local.engine.budget import BudgetConfig
+from epikv_local.engine.sampling import SamplingConfig
+from epikv_local.engine.session import Session, SessionConfig
+from epikv_local.policies import ModelShape, Observation, make_policy
+
+SHAPE = ModelShape(n_layer=30, n_embd=576, n_head=9, n_head_kv=3)
+
+
+def fed(policy, *chunks):
+    """Observe chunks of (positions, given) in order; returns the policy."""
+    policy.bind(SHAPE)
+    for pos, given in chunks:
+        pos = np.asarray(pos, dtype=np.int64)
+        policy.observe(Observation(positions=pos, given=None if given is None else np.full(len(pos), given)))
+    return policy
+
+
+@pytest.mark.parametrize("order", ["oldest", "base"])
+def test_given_tokens_outrank_the_models_own(order):
+    p = fed(make_policy("said", given_order=order), (range(0, 6), True), (range(6, 12), False), (range(12, 14), True))
+    s = p.score(np.arange(14))
+    given = np.r_[0:6, 12:14]
+    assert s[given].min() > s[6:12].max()
+    assert np.all(np.diff(s[6:12]) > 0)  # the model's own: the streaming base, newer = keep
+    # the given group: the oldest kept longest (as a protected prompt), or the base's order
+    assert np.all(np.diff(s[given]) < 0) if order == "oldest" else np.all(np.diff(s[given]) > 0)
+    assert np.array_equal(np.argsort(s, kind="stable")[:6], np.arange(6, 12))  # what goes first: the model's
+
+
+@pytest.mark.parametrize("order,tier", [("oldest", [0, 1, 2, 3]), ("base", [6, 7, 8, 9])])
+def test_share_bounds_the_given_tier(order, tier):
+    p = fed(make_policy("said", share=0.25, given_order=order), (range(0, 10), True), (range(10, 16), False))
+    s = p.score(np.arange(16))
+    assert np.flatnonzero(s >= 2.0).tolist() == tier  # round(0.25 * 16) = 4 given tokens keep the tier
+    assert np.all(s[10:16] > s[[i for i in range(10) if i not in tier]])  # the rest rank with the model's
+
+
+def test_unmarked_tokens_leave_the_base_order_unchanged():
+    p = fed(make_policy("said"), (range(0, 20), None))
+    s = p.score(np.arange(3, 20))
+    assert np.array_equal(np.argsort(s), np.arange(17))
+    assert s.max() <= 1.0  # no tier
+
+
+def test_state_follows_a_branch_and_a_reset():
+    import copy
+
+    p = fed(make_policy("said"), (range(0, 4), True), (range(4, 8), False))
+    q = make_policy("said")
+    q.bind(SHAPE)
+    vars(q).update(copy.deepcopy(vars(p)))
+    assert np.array_equal(q.score(np.arange(8)), p.score(np.arange(8)))
+    p.reset()
+    assert p.score(np.arange(8)).max() <= 1.0
+
+
+@pytest.mark.parametrize("base", ["streaming", "epikv", "keydiff"])
+def test_a_later_turn_survives_evictions_that_streaming_makes(model, base):
+    """Turn 1 is the protected prompt; turn 2's words are fed as a prompt after 120 generated tokens. At a budget
+    of 128 with a 32-token recent window, 200 more generated tokens force evictions: ``said`` keeps every cell
+    of turn 2 (the model's own tokens go), StreamingLLM evicts them."""
+    turn1 = model.tokenize("Tell me a long story about a ship.")
+    turn2 = model.tokenize(" Now remember this: my locker code is 4412. Continue the story.", add_special=False)
+    budget = BudgetConfig(kv_budget=128, n_recent=32, evict_chunk=8)
+    kept = {}
+    for name, options in (("said", {"base": base}), ("streaming", {})):
+        with Session(model, make_policy(name, **options), budget, SessionConfig(n_threads=2)) as s:
+            generate(s, turn1, 120, SamplingConfig(), ignore_eog=True)
+            start = s.n_past
+            generate(s, s.tokens + turn2, 200, SamplingConfig(), ignore_eog=True, reuse_prefix=True)
+            live = s.live_positions()
+            assert s.stats().max_live <= 128 and s.stats().n_evicted > 0
+            kept[name] = np.isin(np.arange(start, start + len(turn2)), live).mean()
+    assert kept["said"] == 1.0
+    assert kept["streaming"] == 0.0
+
+
+def test_on_one_protected_prompt_said_epikv_is_epikv(model):
+    """With the prompt protected, every given token is protected: the evictions (and so the tokens) of
+    ``said_epikv`` are EPIKV's own, so single-turn accuracy figures of EPIKV hold for it."""
+    prompt = model.tokenize("Explain step by step how to compute 17 * 23, then check the result.")
+    budget = BudgetConfig(kv_budget=96, n_recent=32, evict_chunk=8)
+    runs = {}
+    for name in ("epikv", "said_epikv"):
+        with Session(model, make_policy(name), budget, SessionConfig(n_threads=2), record=True) as s:
+            res = generate(s, prompt, 160, SamplingConfig(), ignore_eog=True)
+            runs[name] = (res.tokens, [ev.evicted.tolist() for ev in s.events])
+    assert runs["epikv"][1] and runs["said_epikv"] == runs["epikv"]
