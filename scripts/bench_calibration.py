@@ -56,6 +56,11 @@ def label_cost(model, toks, horizon: int, batch: int, n_ckpt: int, threads) -> d
             "seconds_per_position": round(sec / n, 4) if n else None}
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b rounded to 2 places; None when either is unknown or b rounds to 0 (a tiny model's unit cost can)."""
+    return round(a / b, 2) if a is not None and b else None
+
+
 def pass_cost(model, toks, threads) -> float:
     from epikv_local.engine.budget import BudgetConfig
     from epikv_local.eval.fidelity import teacher_forced_pass
@@ -169,8 +174,8 @@ def main(argv=None) -> int:
                         "grid_s": round(n_pass * p768, 1), "total_s": round(today_s, 1),
                         "how": "measured unit costs x the procedure's counts (17 configurations as in the "
                                "shipped SmolLM2 calibration; the query-statistics/signals step not included)"}
-        doc["labels_batch_speedup"] = round(lab[0]["seconds_per_position"] / lab[1]["seconds_per_position"], 2)
-        doc["labels_fast_speedup"] = round(lab[0]["seconds_per_position"] / lab[2]["seconds_per_position"], 2)
+        doc["labels_batch_speedup"] = ratio(lab[0]["seconds_per_position"], lab[1]["seconds_per_position"])
+        doc["labels_fast_speedup"] = ratio(lab[0]["seconds_per_position"], lab[2]["seconds_per_position"])
         print(f"today's procedure: {n_pos} labelled positions + {n_pass} passes = {today_s / 60:.1f} min "
               f"(from the units above); batched labels {doc['labels_batch_speedup']}x, fast labels "
               f"{doc['labels_fast_speedup']}x per position", flush=True)

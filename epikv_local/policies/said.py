@@ -10,14 +10,17 @@ docs/benchmarks.md). The engine marks each decoded token as given (fed as a prom
     model's own token:  rank01(base(p))                    in [0, 1]
     given token:        2 + rank01(order within the given)  in [2, 3]
 
-so the selection step evicts the model's own tokens (lowest base score first) before any given token, and
+where "given" means given after the model's first token: the prompt that starts a sequence is left to the
+budget (protected by default; with ``protect_prompt=False``, the papers' setting, it is scored by the base
+like any token, so on one prompt ``said_epikv`` is ``epikv`` either way). The selection step thus evicts the
+model's own tokens (lowest base score first) before any later turn's words, and
 given tokens only among themselves once the model's are gone: ``given_order="oldest"`` keeps the oldest
 given words longest (as a protected prompt is kept: what a conversation was set up with), ``"base"`` orders
 them by the base score too (on the dev conversations it lost facts that "oldest" kept). ``share`` bounds the
 given tier: at most ``round(share * N)`` of the N live positions keep it, so a long pasted document cannot
 crowd out all of the model's own text outside the recent window. Tokens decoded without a mark (teacher-forced
-text) count as the model's own: the policy is then its base. On one protected prompt every given token is
-protected, so ``said_epikv`` evicts exactly as ``epikv`` (tested).
+text) count as the model's own: the policy is then its base. On one prompt every given token is left to the
+base, so ``said_epikv`` evicts exactly as ``epikv`` (tested, prompt protected and counted).
 
 ``base``: ``streaming`` (oldest first), ``epikv`` (the residual-stream score; ``layers`` and ``window`` as
 :class:`EpikvPolicy`) or ``keydiff``. Signals read: the base's (none for streaming), so flash attention stays
@@ -61,7 +64,8 @@ class SaidPolicy(Policy):
         self._base: Policy = {"streaming": lambda: StreamingLLM(),
                               "epikv": lambda: EpikvPolicy(layers=self.layers, window=self.window),
                               "keydiff": lambda: KeyDiffPolicy()}[self.base]()
-        self._given = PositionScores()  # 1.0: given, 0.0: the model's own, NaN: never decoded
+        self._given = PositionScores()  # 1.0: given in a later turn, 0.0: otherwise, NaN: never decoded
+        self._answered = False  # the model has produced a token: what is given from now on is a later turn
         super().__post_init__()
 
     def signals(self, shape: ModelShape) -> Signals:
@@ -70,11 +74,15 @@ class SaidPolicy(Policy):
     def reset(self) -> None:
         self._base.reset()
         self._given.reset()
+        self._answered = False
 
     def observe(self, obs: Observation) -> None:
         self._base.observe(obs)
-        given = np.zeros(len(obs.positions)) if obs.given is None else np.asarray(obs.given, dtype=np.float64)
-        self._given.set(obs.positions, given)
+        given = np.zeros(len(obs.positions), dtype=bool) if obs.given is None else np.asarray(obs.given, dtype=bool)
+        # the prompt that starts a sequence stays the base's: protected by the budget, or counted against it
+        # (the papers' setting), where the tier would overrule the base on every token
+        self._given.set(obs.positions, (given & self._answered).astype(np.float64))
+        self._answered = self._answered or not given.all()
 
     def score(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)

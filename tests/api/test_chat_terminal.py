@@ -177,6 +177,9 @@ def test_sigint_during_an_answer_stops_it_softly_and_a_second_one_clears_the_cac
     chat, out, err = fake_chat()
     chat.history = [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a0"}]
     after_stop = []
+    # the handler in force before the turn: Python's default, or SIG_IGN when the suite runs as a background
+    # job of a non-interactive shell (which starts it with SIGINT ignored)
+    before = signal.getsignal(signal.SIGINT)
 
     def answer(n_sigint):
         yield chunk(content="Once")
@@ -194,7 +197,7 @@ def test_sigint_during_an_answer_stops_it_softly_and_a_second_one_clears_the_cac
     chat.turn("again")
     assert chat.history[-1] == {"role": "assistant", "content": "Once"} and len(chat.history) == 6
     assert chat.llm.resets == 1 and "cache was cleared" in err.getvalue() and chat.last is None
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after the turn
+    assert signal.getsignal(signal.SIGINT) is before  # restored after the turn
 
 
 def test_a_library_error_is_one_line_and_the_turn_is_dropped():

@@ -111,7 +111,7 @@ def test_llama_cpp_style_flags_text_on_stdout_stats_on_stderr(model_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() and "policy=" not in r.stdout
     stats = r.stderr.strip().splitlines()[-1]
-    assert "policy=epikv" in stats and "flash_attn=True" in stats and "n_generated_tokens=" in stats
+    assert f"policy={DEFAULT_POLICY}" in stats and "flash_attn=True" in stats and "n_generated_tokens=" in stats
 
 
 def test_version_and_help_show_defaults():

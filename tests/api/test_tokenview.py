@@ -15,6 +15,8 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
+from epikv_local.policies import DEFAULT_POLICY
+
 CLI = [sys.executable, "-m", "epikv_local.cli"]
 PROMPT = 'Explain what <b>&" means in HTML, step by step. First,'
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -220,7 +222,7 @@ def test_cli_html_and_compare(model_path, tmp_path):
     assert res["html"] == str(out) and "compare" not in res
     parsed = Spans()
     parsed.feed(out.read_text(encoding="utf-8"))
-    assert [p for p, _ in parsed.runs] == ["epikv"]
+    assert [p for p, _ in parsed.runs] == [DEFAULT_POLICY]
     assert len(parsed.runs[0][1]) == res["n_prompt_tokens"] + res["n_generated_tokens"]
     assert not list(tmp_path.glob(".*tmp*"))  # the temporary file was renamed into place
 
@@ -228,10 +230,10 @@ def test_cli_html_and_compare(model_path, tmp_path):
     r = cli("generate", "-m", str(model_path), "-p", PROMPT, "-n", "24", "--kv-budget", "40", "--n-recent", "8",
             "--temp", "0", "--ignore-eos", "--html", str(two), "--html-compare", "streaming")
     assert r.returncode == 0, r.stderr
-    assert "policy=epikv" in r.stderr and "policy=streaming" in r.stderr and f"written to {two}" in r.stderr
+    assert f"policy={DEFAULT_POLICY}" in r.stderr and "policy=streaming" in r.stderr and f"written to {two}" in r.stderr
     parsed = Spans()
     parsed.feed(two.read_text(encoding="utf-8"))
-    assert [p for p, _ in parsed.runs] == ["epikv", "streaming"]
+    assert [p for p, _ in parsed.runs] == [DEFAULT_POLICY, "streaming"]
     assert all(len(spans) > 30 for _, spans in parsed.runs)
 
 

@@ -25,27 +25,34 @@ def fed(policy, *chunks):
 
 
 @pytest.mark.parametrize("order", ["oldest", "base"])
-def test_given_tokens_outrank_the_models_own(order):
-    p = fed(make_policy("said", given_order=order), (range(0, 6), True), (range(6, 12), False), (range(12, 14), True))
-    s = p.score(np.arange(14))
-    given = np.r_[0:6, 12:14]
-    assert s[given].min() > s[6:12].max()
-    assert np.all(np.diff(s[6:12]) > 0)  # the model's own: the streaming base, newer = keep
-    # the given group: the oldest kept longest (as a protected prompt), or the base's order
-    assert np.all(np.diff(s[given]) < 0) if order == "oldest" else np.all(np.diff(s[given]) > 0)
-    assert np.array_equal(np.argsort(s, kind="stable")[:6], np.arange(6, 12))  # what goes first: the model's
+def test_a_later_turns_words_outrank_the_models_own(order):
+    p = fed(make_policy("said", given_order=order), (range(0, 4), True), (range(4, 10), False), (range(10, 16), True))
+    s = p.score(np.arange(16))
+    assert s[10:16].min() > s[0:10].max()
+    assert np.all(np.diff(s[0:10]) > 0)  # the starting prompt and the model's own: the streaming base, newer = keep
+    # a later turn's words: the oldest kept longest (as a protected prompt), or the base's order
+    assert np.all(np.diff(s[10:16]) < 0) if order == "oldest" else np.all(np.diff(s[10:16]) > 0)
+    assert np.array_equal(np.argsort(s, kind="stable")[:10], np.arange(10))  # what goes first
 
 
-@pytest.mark.parametrize("order,tier", [("oldest", [0, 1, 2, 3]), ("base", [6, 7, 8, 9])])
+def test_the_starting_prompt_is_left_to_the_base():
+    """One prompt (a passkey context with the prompt counted): no token has the tier, the base decides."""
+    q = fed(make_policy("said"), (range(0, 12), True), (range(12, 20), True))
+    s = q.score(np.arange(20))
+    assert s.max() <= 1.0 and np.array_equal(np.argsort(s), np.arange(20))
+
+
+@pytest.mark.parametrize("order,tier", [("oldest", [6, 7, 8, 9]), ("base", [12, 13, 14, 15])])
 def test_share_bounds_the_given_tier(order, tier):
-    p = fed(make_policy("said", share=0.25, given_order=order), (range(0, 10), True), (range(10, 16), False))
+    p = fed(make_policy("said", share=0.25, given_order=order), (range(0, 2), True), (range(2, 6), False),
+            (range(6, 16), True))
     s = p.score(np.arange(16))
     assert np.flatnonzero(s >= 2.0).tolist() == tier  # round(0.25 * 16) = 4 given tokens keep the tier
-    assert np.all(s[10:16] > s[[i for i in range(10) if i not in tier]])  # the rest rank with the model's
+    assert s[[i for i in range(16) if i not in tier]].max() <= 1.0  # the rest rank with the model's
 
 
 def test_unmarked_tokens_leave_the_base_order_unchanged():
-    p = fed(make_policy("said"), (range(0, 20), None))
+    p = fed(make_policy("said"), (range(0, 20), None), (range(20, 24), None))
     s = p.score(np.arange(3, 20))
     assert np.array_equal(np.argsort(s), np.arange(17))
     assert s.max() <= 1.0  # no tier
@@ -54,7 +61,7 @@ def test_unmarked_tokens_leave_the_base_order_unchanged():
 def test_state_follows_a_branch_and_a_reset():
     import copy
 
-    p = fed(make_policy("said"), (range(0, 4), True), (range(4, 8), False))
+    p = fed(make_policy("said"), (range(0, 4), False), (range(4, 8), True))
     q = make_policy("said")
     q.bind(SHAPE)
     vars(q).update(copy.deepcopy(vars(p)))
@@ -84,11 +91,12 @@ def test_a_later_turn_survives_evictions_that_streaming_makes(model, base):
     assert kept["streaming"] == 0.0
 
 
-def test_on_one_protected_prompt_said_epikv_is_epikv(model):
-    """With the prompt protected, every given token is protected: the evictions (and so the tokens) of
-    ``said_epikv`` are EPIKV's own, so single-turn accuracy figures of EPIKV hold for it."""
-    prompt = model.tokenize("Explain step by step how to compute 17 * 23, then check the result.")
-    budget = BudgetConfig(kv_budget=96, n_recent=32, evict_chunk=8)
+@pytest.mark.parametrize("protect", [True, False])
+def test_on_one_prompt_said_epikv_is_epikv(model, protect):
+    """On one prompt, protected or counted against the budget, no token has the tier: the evictions (and so the
+    tokens) of ``said_epikv`` are EPIKV's own, so single-turn figures of EPIKV hold for it."""
+    prompt = model.tokenize("Explain step by step how to compute 17 * 23, then check the result. " * (1 + 3 * (not protect)))
+    budget = BudgetConfig(kv_budget=96, n_recent=32, evict_chunk=8, protect_prompt=protect)
     runs = {}
     for name in ("epikv", "said_epikv"):
         with Session(model, make_policy(name), budget, SessionConfig(n_threads=2), record=True) as s:
