@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     from epikv_local.engine.handles import Model, check_gguf
     from epikv_local.eval.anatomy import run_anatomy
     from epikv_local.eval.io import to_json, write_atomic
+    from epikv_local.eval.provenance import portable
     from epikv_local.eval.labels import LabelSettings, labels_by_trace, read_labels, run_labels
     from epikv_local.eval.plots import plot_anatomy
     from epikv_local.eval.traces import load_traces
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     res.update({"model": model_path.name, "labels_file": str(lab_path),
                 "label_settings": {k: header[k] for k in ("max_tokens", "horizon", "delay", "stride", "min_pos")}})
     jpath = out / f"anatomy_{tag}.json"
-    write_atomic(jpath, to_json(res) + "\n")
+    write_atomic(jpath, to_json(portable(res)) + "\n")
     fig = Path(args.figures) / f"anatomy_{tag}.png"
     plot_anatomy(res, fig, f"{model_path.name}: z_l vs counterfactual label ({res['n_positions']} positions, "
                            f"window {args.window}, horizon {header['horizon']})")

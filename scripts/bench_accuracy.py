@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (ROOT, ArgParser, append_record, csv_of, log, provenance, read_records,  # noqa: E402
                       run_or_merge, save_json)
 
+from epikv_local.eval.accuracy import INSTRUCTION  # noqa: E402  (the same turn as calibrate's accuracy objective)
+
 PROG = "bench_accuracy"
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def load_problems(data: Path, task: str, split: str, levels: list[int], offset: int, limit: int | None) -> list[dict]:

@@ -75,8 +75,10 @@ def _fmt(m: dict, spec: str) -> str:
 
 def dump(doc: dict) -> str:
     """The result document as JSON: indented, except one line per generation row (their token lists)."""
+    from epikv_local.eval.provenance import portable
+
     rows = doc.get("rows", [])
-    text = json.dumps(nan_to_none({**doc, "rows": []}), indent=2)
+    text = json.dumps(nan_to_none(portable({**doc, "rows": []})), indent=2)
     body = ",\n".join("    " + json.dumps(nan_to_none(r)) for r in rows)
     return text.replace('"rows": []', '"rows": [\n' + body + "\n  ]" if rows else '"rows": []') + "\n"
 

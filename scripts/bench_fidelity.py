@@ -377,7 +377,9 @@ def run(args) -> int:
         "results": summary,
     }
     from epikv_local.eval.io import write_atomic
+    from epikv_local.eval.provenance import portable
 
+    doc = portable(doc)
     summary_path = write_atomic(out_dir / f"{args.prefix}_{name}_summary.json", json.dumps(nan_to_none(doc), indent=2) + "\n")
     print_table(summary, baseline=args.paired_baseline)
     if grid_traces:
@@ -401,7 +403,7 @@ def merge(args) -> int:
     included) recomputed over all of them; settings from the parts' summary files, which must agree."""
     from epikv_local.eval.fidelity import summarize
     from epikv_local.eval.io import read_jsonl, write_atomic
-    from epikv_local.eval.provenance import (merged_header, merged_settings, merged_wall_seconds,
+    from epikv_local.eval.provenance import (merged_header, merged_settings, merged_wall_seconds, portable,
                                              read_result_doc, settings_mismatch)
 
     parts = [Path(x) for x in args.merge.split(",") if x.strip()]
@@ -435,6 +437,7 @@ def merge(args) -> int:
     name = args.name or "merged"
     jsonl = out_dir / f"{args.prefix}_{name}.jsonl"
     write_atomic(jsonl, "".join(json.dumps(nan_to_none(r)) + "\n" for r in rows))
+    doc = portable(doc)
     summary_path = write_atomic(out_dir / f"{args.prefix}_{name}_summary.json", json.dumps(nan_to_none(doc), indent=2) + "\n")
     print_table(summary, baseline=args.paired_baseline)
     log(f"wrote {jsonl} and {summary_path} ({len(rows)} rows from {len(parts)} parts)")

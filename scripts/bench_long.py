@@ -190,7 +190,9 @@ def main(argv=None) -> int:
     summary["stop_reason"] = stop_reason
     summary["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     summary["peak_rss_bytes"] = max(_peak_rss(), summary.get("final_rss_bytes", 0))
-    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    from epikv_local.eval.provenance import portable
+
+    summary_path.write_text(json.dumps(portable(summary), indent=1) + "\n")
     print(f"{label}: {n} tokens, stop: {stop_reason}; mean {summary.get('mean_decode_tokens_per_s')} tok/s, "
           f"last interval {summary.get('last_interval_tokens_per_s')} tok/s, "
           f"rss {summary.get('final_rss_bytes', 0) / 2**20:.1f} MiB, kv {summary.get('kv_bytes', 0) / 2**20:.1f} MiB, "

@@ -77,7 +77,9 @@ def main(argv=None) -> int:
            "rounds": rows, "median_prefill_time_ratio": statistics.median(
                r["prefill_time_ratio_fresh_over_reuse"] for r in rows)}
     if args.out:
-        write_atomic(args.out, json.dumps(doc, indent=2) + "\n")
+        from epikv_local.eval.provenance import portable
+
+        write_atomic(args.out, json.dumps(portable(doc), indent=2) + "\n")
     return 0
 
 

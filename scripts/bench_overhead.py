@@ -31,6 +31,7 @@ from benchlib import ROOT, git_rev, machine, median_ratio, one_run  # noqa: E402
 
 from epikv_local.errors import ConfigError, run_main  # noqa: E402
 from epikv_local.eval.io import write_atomic  # noqa: E402
+from epikv_local.eval.provenance import portable  # noqa: E402
 
 VARIANTS = {
     "plain": dict(policy="none", flash_attn=True, route="layer_out", verify=False),
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "variants": summary,
     }
-    write_atomic(args.out, json.dumps(out, indent=1) + "\n")
+    write_atomic(args.out, json.dumps(portable(out), indent=1) + "\n")
     print(f"{'variant':18} {'tok/s':>8} {'ratio':>7} {'evicted/run':>12} {'ms/evict round':>15}")
     for v, s in summary.items():
         ratio = f"{s['median_ratio_to_plain']:.3f}" if s["median_ratio_to_plain"] is not None else "-"

@@ -213,7 +213,9 @@ def main(argv=None) -> int:
            "prompt": QUESTION, "banned_eog_tokens": sorted(int(k) for k in bias),
            "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()}, "rounds": rows, **summary}
     if args.out:
-        write_atomic(args.out, json.dumps(doc, indent=2) + "\n")
+        from epikv_local.eval.provenance import portable
+
+        write_atomic(args.out, json.dumps(portable(doc), indent=2) + "\n")
     return 0
 
 

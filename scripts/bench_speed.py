@@ -37,6 +37,7 @@ from benchlib import ROOT, git_rev, machine, median_ratio, one_run  # noqa: E402
 
 from epikv_local.errors import run_main  # noqa: E402
 from epikv_local.eval.io import write_atomic  # noqa: E402
+from epikv_local.eval.provenance import portable  # noqa: E402
 
 BASELINES = {
     "plain": dict(policy="none", flash_attn=True, verify=False),
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_seconds": round(time.time() - t_start, 1),
         "variants": summary, "epikv_speed_vs_attention_policies": epikv_vs,
     }
-    write_atomic(args.out, json.dumps(out, indent=1) + "\n")
+    write_atomic(args.out, json.dumps(portable(out), indent=1) + "\n")
 
     def fmt(x, spec):
         return format(x, spec) if x is not None else "-"

@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from epikv_local.errors import ConfigError, run_main  # noqa: E402
-from epikv_local.eval.provenance import git_revision  # noqa: E402
+from epikv_local.eval.provenance import git_revision, portable  # noqa: E402
 
 
 def git_rev() -> str:
@@ -44,11 +44,12 @@ def provenance(script: str, argv: list[str] | None) -> dict:
 
 
 def save_json(path: str | os.PathLike | None, doc: dict) -> None:
-    """Write ``doc`` as indented JSON to ``path``, atomically; nothing when ``path`` is None."""
+    """Write ``doc`` as indented JSON to ``path``, atomically, its machine paths made portable
+    (:func:`~epikv_local.eval.provenance.portable`); nothing when ``path`` is None."""
     from epikv_local.eval.io import write_atomic
 
     if path:
-        write_atomic(path, json.dumps(doc, indent=2) + "\n", what="result file", error=ConfigError)
+        write_atomic(path, json.dumps(portable(doc), indent=2) + "\n", what="result file", error=ConfigError)
 
 
 class ArgParser(argparse.ArgumentParser):

@@ -87,7 +87,9 @@ def main(argv=None) -> int:
            "max_live_cells": final.max_live, "n_evicted": final.n_evicted, "passed": ok,
            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2), "samples": samples}
     if args.out:
-        write_atomic(args.out, json.dumps(doc, indent=2) + "\n")
+        from epikv_local.eval.provenance import portable
+
+        write_atomic(args.out, json.dumps(portable(doc), indent=2) + "\n")
     print(f"RSS growth after warm-up {growth * 100:+.2f} % (limit {args.max_growth * 100:.0f} %), max live cells "
           f"{final.max_live} / {args.kv_budget}: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Grade", "extract_answer", "grade", "is_looping", "mcnemar", "normalize", "paired_bootstrap"]
+__all__ = ["INSTRUCTION", "Grade", "extract_answer", "grade", "is_looping", "mcnemar", "normalize",
+           "paired_bootstrap"]
+
+#: what follows each problem in the accuracy benchmark's chat turn (and in ``calibrate --objective accuracy``)
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
 _ANSWER_IS = re.compile(r"(?:final answer|the answer|answer)\s*(?:is|:|=)\s*:?\s*(.+)", re.IGNORECASE)

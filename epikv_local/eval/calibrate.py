@@ -14,6 +14,10 @@ Procedure (dev traces only; see docs/calibration.md, section "Calibration"):
    all-token and key-token ΔNLL, overall and per budget (``Grid.signal_budgets`` on traces of
    ``Grid.signal_max_tokens``: 128-1024 on 1,536 tokens by default, step 2's in the fast profile); what
    ``--policy calibrated`` runs.
+4. (``accuracy=AccuracyObjective(...)``, ``calibrate --objective accuracy``; run between 2 and 3) the default and
+   the best settings of 2 re-ranked by right answers on GSM8K dev problems under a budget, the prompt counted
+   (:mod:`.calibrate_accuracy`); the most right answers wins, a tie the lower ΔNLL. The JSON says which
+   objective chose (``objective``: ``delta_nll`` or ``accuracy``) and whether accuracy changed the choice.
 
 The result is written as JSON to ``<cache>/calibration/<sha256 of the model file>.json`` (cache dir:
 ``$EPIKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/epikv-local`` or ``~/.cache/epikv-local``) and read back by
@@ -48,6 +52,7 @@ from ..errors import DataError
 from ..policies.epikv import EpikvPolicy
 from ..policies.scoring import ScoringConfig
 from .anatomy import capture_pass, layer_z, rank_layers
+from .calibrate_accuracy import AccuracyObjective, choose_by_accuracy
 from .io import write_atomic
 from .fidelity import StreamingComparison, reference_pass, teacher_forced_pass
 from .labels import LabelSettings, label_trace, labels_by_trace, read_labels, run_labels
@@ -128,8 +133,10 @@ def _key(cfg: ScoringConfig, rf: float) -> tuple:
 def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, grid: Grid = Grid(),
               full_grid: bool = False, n_threads: int | None = None, labels_path: str | os.PathLike | None = None,
               out: str | os.PathLike | None = None,
-              log: Callable[[str], None] | None = None, signals: bool = True) -> CalibrationResult:
-    """Run the calibration on ``traces_path`` (dev traces!) and write the JSON. Returns the result."""
+              log: Callable[[str], None] | None = None, signals: bool = True,
+              accuracy: AccuracyObjective | None = None) -> CalibrationResult:
+    """Run the calibration on ``traces_path`` (dev traces!) and write the JSON. Returns the result.
+    ``accuracy``: choose EPIKV's settings on answer accuracy of dev problems (step 4) instead of ΔNLL alone."""
     log = log or (lambda m: print(f"calibrate: {m}", file=sys.stderr, flush=True))
     t_start = time.perf_counter()
     model_path = Path(model_path)
@@ -226,6 +233,18 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
         bar.close()
         t_grid = time.perf_counter() - t0
 
+        # 4. (optional) the best of 2 re-ranked on answer accuracy: before 3, which builds on the choice
+        acc_record, t_acc = None, 0.0
+        if accuracy is not None:
+            t0 = time.perf_counter()
+            best, acc_record = choose_by_accuracy(model, list(results.values()),
+                                                  results[_key(base_cfg, DEFAULT_RECENT_FRACTION)], accuracy,
+                                                  n_threads=n_threads, log=log)
+            t_acc = time.perf_counter() - t0
+            log(f"accuracy: chose layers {best['layer_a']},{best['layer_b']} window {best['window']} recent "
+                f"{best['recent_fraction']}" + (" (ΔNLL chose otherwise)" if acc_record["changed_choice"] else
+                                                 " (as ΔNLL did)"))
+
         # 3. query statistics and the choice among signals
         path = Path(out) if out else calibration_dir() / f"{sha}.json"
         selected, qs_name, t_signals = None, None, 0.0
@@ -276,6 +295,7 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
         "n_layer": n_layer, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "traces": str(traces_path), "trace_ids": [t for t, _ in traces],
         "chosen": {k: best[k] for k in ("layer_a", "layer_b", "window", "recent_fraction")},
+        "objective": "accuracy" if accuracy is not None else "delta_nll", "accuracy": acc_record,
         "chosen_delta_nll": best["delta_nll"], "baseline": results[_key(base_cfg, DEFAULT_RECENT_FRACTION)],
         "baseline_delta_nll": baseline,
         "anatomy": {"candidates_a": pos_l, "candidates_b": neg_l, "n_positions": int(n_lab),
@@ -284,7 +304,7 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
         "grid_results": list(results.values()),
         "query_stats": qs_name, "selected": selected,
         "cost_seconds": {"labels_and_anatomy": round(t_labels, 1), "grid": round(t_grid, 1),
-                         "signals": round(t_signals, 1), "total": round(cost, 1),
+                         "signals": round(t_signals, 1), "accuracy": round(t_acc, 1), "total": round(cost, 1),
                          "n_configs": len(results), "n_passes": len(results) * len(traces) * len(budgets)},
     }
     write_atomic(path, json.dumps(doc, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")

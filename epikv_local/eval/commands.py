@@ -46,6 +46,15 @@ def add_commands(sub) -> dict:
     cp.add_argument("--out", metavar="PATH", help="write the calibration JSON here instead of the cache")
     cp.add_argument("--no-signals", action="store_true", help="skip step 3 (query statistics and the choice "
                     "among the signals): EPIKV's settings only")
+    cp.add_argument("--objective", choices=["delta_nll", "accuracy"], default="delta_nll",
+                    help="what chooses EPIKV's settings: teacher-forced ΔNLL on the dev traces (default), or right "
+                         "answers on GSM8K dev problems under a budget among the ΔNLL grid's best (step 4)")
+    cp.add_argument("--problems", metavar="PATH", help="--objective accuracy: a GSM8K JSONL with a split field, "
+                    "dev rows only used (default: ../shared/data/gsm8k_test.jsonl beside a source checkout)")
+    cp.add_argument("--accuracy-problems", type=int, metavar="N", help="dev problems answered (16)")
+    cp.add_argument("--accuracy-budget", type=int, metavar="N", help="KV budget of the answers, prompt counted (192)")
+    cp.add_argument("--accuracy-max-tokens", type=int, metavar="N", help="tokens per answer (400)")
+    cp.add_argument("--accuracy-top-k", type=int, metavar="N", help="best ΔNLL settings tried besides the default (2)")
     cp.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                     help="llama.cpp threads (default: CPUs available - 1, at most 8)")
     return {"labels": run_labels_cmd, "calibrate": run_calibrate_cmd}
@@ -125,6 +134,7 @@ def run_calibrate_cmd(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from .calibrate import FAST_GRID, QUICK_GRID, Grid, calibrate
+    from .provenance import REPO
     from .traces import default_dev_traces
 
     for path, what in ((args.out, "calibration"), (args.labels, "labels")):
@@ -137,16 +147,49 @@ def run_calibrate_cmd(args: argparse.Namespace) -> int:
     grid = QUICK_GRID if args.quick else FAST_GRID if args.fast else Grid()
     if args.n_traces:
         grid = replace(grid, n_traces=args.n_traces)
+    accuracy = _accuracy_objective(args, grid, REPO.parent / "shared" / "data" / "gsm8k_test.jsonl")
     with output_errors(args.out, "calibration"), output_errors(args.labels, "labels"):
         res = calibrate(model_path, traces, grid, full_grid=args.full_grid, n_threads=args.threads,
-                        labels_path=args.labels, out=args.out, signals=not args.no_signals)
-    print(json.dumps({"path": res.path, "layer_a": res.layer_a, "layer_b": res.layer_b, "window": res.window,
+                        labels_path=args.labels, out=args.out, signals=not args.no_signals, accuracy=accuracy)
+    print(json.dumps({"path": res.path, "objective": args.objective, "layer_a": res.layer_a,
+                      "layer_b": res.layer_b, "window": res.window,
                       "recent_fraction": res.recent_fraction, "delta_nll": res.delta_nll,
                       "baseline_delta_nll": res.baseline_delta_nll,
                       "selected": None if res.selected is None else _brief(res.selected),
                       "selected_by_budget": {str(b): _brief(sel) for b, sel in res.selected_by_budget}},
                      default=str))
     return 0
+
+
+#: calibrate's options of the accuracy objective: (option, AccuracyObjective field, default)
+ACCURACY_OPTIONS = (("--accuracy-problems", "n_problems", 16), ("--accuracy-budget", "kv_budget", 192),
+                    ("--accuracy-max-tokens", "max_tokens", 400), ("--accuracy-top-k", "top_k", 2))
+
+
+def _accuracy_objective(args: argparse.Namespace, grid, default_problems: Path):
+    """The AccuracyObjective of ``--objective accuracy`` (None for ``delta_nll``), everything it will read
+    checked now (the problems file, every dev problem it answers, the budget), not after the grid's minutes."""
+    from ..engine.budget import BudgetConfig
+    from .calibrate_accuracy import AccuracyObjective, dev_problems
+
+    given = {opt: getattr(args, opt[2:].replace("-", "_")) for opt, _, _ in ACCURACY_OPTIONS}
+    if args.objective != "accuracy":
+        extra = [opt for opt, v in given.items() if v is not None] + (["--problems"] if args.problems else [])
+        if extra:
+            raise ConfigError(f"{', '.join(extra)}: only with --objective accuracy")
+        return None
+    values = {}
+    for opt, field, default in ACCURACY_OPTIONS:
+        v = default if given[opt] is None else given[opt]
+        if v < 1:
+            raise ConfigError(f"{opt} must be at least 1, got {v}")
+        values[field] = v
+    problems = args.problems or str(default_problems)
+    objective = AccuracyObjective(problems, **values)
+    dev_problems(problems, objective.n_problems)
+    for rf in grid.recent + (0.5,):  # every recent share the candidates may have (0.5: the default's)
+        BudgetConfig(kv_budget=objective.kv_budget, n_sink=objective.n_sink, recent_fraction=rf, protect_prompt=False)
+    return objective
 
 
 def _brief(sel: dict) -> dict:

@@ -17,6 +17,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from ..errors import DataError
@@ -47,7 +48,7 @@ def model_fingerprint(path: Path) -> dict:
     """The model file's path, size and the sha256 of its first MiB."""
     with open(path, "rb") as f:
         head = f.read(FINGERPRINT_BYTES)
-    return {"path": str(path), "size_bytes": path.stat().st_size, "sha256_first_1MiB": sha256_bytes(head)}
+    return {"path": portable(str(path)), "size_bytes": path.stat().st_size, "sha256_first_1MiB": sha256_bytes(head)}
 
 
 def machine(threads: int | None) -> dict:
@@ -56,9 +57,54 @@ def machine(threads: int | None) -> dict:
             "threads": threads}
 
 
+def _prefixes() -> list[tuple[str, str]]:
+    """(machine path, portable spelling) pairs, most specific first: this checkout's Python, the checkout, the
+    shared data beside it, the model cache, the home folder, the temporary folder. Only absolute paths (a
+    relative one would match anywhere in a text)."""
+    from ..api.models import cache_dir
+
+    home, cache = Path.home(), cache_dir()
+    if os.environ.get("EPIKV_CACHE_DIR"):
+        cache_spelling = "$EPIKV_CACHE_DIR/"
+    elif cache == home / ".cache" / "epikv-local":
+        cache_spelling = "~/.cache/epikv-local/"
+    else:
+        cache_spelling = "$XDG_CACHE_HOME/epikv-local/"
+    pairs = []
+    if sys.executable:
+        python = Path(sys.executable)
+        pairs.append((str(python), str(python.relative_to(REPO)) if python.is_relative_to(REPO) else "python"))
+    pairs += [(str(REPO) + os.sep, ""), (str(REPO.parent / "shared") + os.sep, "../shared/"),
+              (str(cache) + os.sep, cache_spelling), (str(home) + os.sep, "~/"),
+              (str(Path(tempfile.gettempdir())) + os.sep, "$TMPDIR/")]
+    return [(a, b) for a, b in pairs if Path(a).is_absolute() and a != os.sep]
+
+
+def portable(value):
+    """``value`` with the paths of this machine spelled so that they mean the same on another one: in a string,
+    the checkout's prefix made repository-relative (``.venv/bin/python``, ``results/x.json``), the shared
+    data as ``../shared/``, the model cache as ``~/.cache/epikv-local/`` (or ``$EPIKV_CACHE_DIR/``,
+    ``$XDG_CACHE_HOME/epikv-local/``), the home folder as ``~/`` and the temporary folder as ``$TMPDIR/``;
+    lists and dicts element by element (tuples become lists, as in JSON); anything else unchanged. A committed
+    result names no path of the machine it ran on."""
+    return _portable(value, _prefixes())
+
+
+def _portable(value, pairs: list[tuple[str, str]]):
+    if isinstance(value, str):
+        for machine_path, spelling in pairs:
+            value = value.replace(machine_path, spelling)
+        return value
+    if isinstance(value, dict):
+        return {k: _portable(v, pairs) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_portable(v, pairs) for v in value]
+    return value
+
+
 def command_line() -> str:
-    """This process's command line, shell-quoted."""
-    return shlex.join([sys.executable] + sys.argv)
+    """This process's command line, shell-quoted, with portable paths (:func:`portable`)."""
+    return portable(shlex.join([sys.executable] + sys.argv))
 
 
 def utc_now() -> str:

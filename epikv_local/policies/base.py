@@ -164,6 +164,14 @@ class PositionScores:
         return np.array(self.values[positions], dtype=np.float64)
 
 
+def rank01(scores: np.ndarray) -> np.ndarray:
+    """(N,) ranks of ``scores`` scaled to [0, 1] (NaN lowest; ties broken by order); N = 1 gives 1."""
+    s = np.where(np.isnan(scores), -np.inf, scores)
+    r = np.empty(len(s))
+    r[np.argsort(s, kind="stable")] = np.arange(len(s))
+    return r / max(len(s) - 1, 1) if len(s) > 1 else np.ones(len(s))
+
+
 def check_float(owner: str, name: str, value, lo: float, hi: float = float("inf"), hi_open: bool = False,
                 what: str = "a number") -> None:
     """ConfigError unless ``value`` is a finite real (not a bool) in [lo, hi] ([lo, hi) with ``hi_open``)."""

@@ -23,18 +23,10 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import ConfigError
-from .base import ModelShape, Observation, Policy, Signals, check_float
+from .base import ModelShape, Observation, Policy, Signals, check_float, rank01
 from .epikv import EpikvPolicy
 from .keydiff import KeyDiffPolicy
 from .triattention import TriAttentionPolicy
-
-
-def rank01(scores: np.ndarray) -> np.ndarray:
-    """(N,) ranks of ``scores`` scaled to [0, 1] (NaN lowest; ties broken by order); N = 1 gives 1."""
-    s = np.where(np.isnan(scores), -np.inf, scores)
-    r = np.empty(len(s))
-    r[np.argsort(s, kind="stable")] = np.arange(len(s))
-    return r / max(len(s) - 1, 1) if len(s) > 1 else np.ones(len(s))
 
 
 @dataclass

@@ -35,10 +35,9 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import ConfigError
-from .base import ModelShape, Observation, Policy, PositionScores, Signals, check_float
+from .base import ModelShape, Observation, Policy, PositionScores, Signals, check_float, rank01
 from .epikv import EpikvPolicy
 from .keydiff import KeyDiffPolicy
-from .mix import rank01
 from .streaming import StreamingLLM
 
 BASES = ("streaming", "epikv", "keydiff")

@@ -131,7 +131,7 @@ def test_page_is_self_contained_and_escaped(page):
     parsed = Spans()
     parsed.feed(text)
     assert [p for p, _ in parsed.runs] == ["epikv", "streaming"]
-    assert 'class="n2"' in text
+    assert 'class="runs n2"' in text
     from epikv_local.api.tokenview import display_text
 
     for (policy, spans), run in zip(parsed.runs, runs):
@@ -165,10 +165,42 @@ def test_scores_nan_inf_and_one_run():
     run = tv.TokenRun("mine", recs, GenerationStats(policy="p", kv_budget=8), "&x", BudgetConfig(8, n_sink=1,
                       n_recent=2), recent=2, n_prompt=2)
     html = tv.render_html([run])
-    assert 'class="n1"' in html and "&lt;s&gt;" in html and "-inf" in html and "never decoded" in html
+    assert 'class="runs n1"' in html and "&lt;s&gt;" in html and "-inf" in html and "never decoded" in html
     assert json.dumps(run.as_dict())  # inf is written as text
+    assert tv.render_html([run, run, run]).count('<section class="run"') == 3
     with pytest.raises(tv.ConfigError):
-        tv.render_html([run, run, run])
+        tv.render_html([run] * 4)
+
+
+def _one_token_run(label: str):
+    from epikv_local.api import tokenview as tv
+    from epikv_local.api.generation import GenerationStats
+    from epikv_local.engine.budget import BudgetConfig
+
+    return tv.TokenRun(label, [tv.TokenRecord(0, 1, "a", "prompt", 1.0)], GenerationStats(policy=label, kv_budget=8),
+                       "", BudgetConfig(8, n_sink=1, n_recent=2), recent=2, n_prompt=1)
+
+
+def test_cases_on_one_page_with_marks():
+    """Several prompts on one page, each with its runs and a verdict per run (escaped); marks must match runs."""
+    from epikv_local.api import tokenview as tv
+
+    runs = [_one_token_run(x) for x in ("full", "streaming", "epikv")]
+    cases = [tv.Case(runs, title="p<1>", prompt="What is 1 & 2?",
+                     marks=[tv.Mark(True, "right: 3"), tv.Mark(False, "wrong: <4> (gold 3)"), None]),
+             tv.Case(runs[:2], title="p2", marks=[tv.Mark(None, "not graded"), tv.Mark(True, "right: 5")])]
+    html = tv.render_cases(cases, title="gsm8k dev", meta={"budget": "192 cells"}, note="a & b")
+    assert html.count('<section class="case">') == 2 and html.count('<section class="run"') == 5
+    assert 'class="runs n3"' in html and 'class="runs n2"' in html
+    assert '<span class="mark ok">right: 3</span>' in html
+    assert '<span class="mark bad">wrong: &lt;4&gt; (gold 3)</span>' in html
+    assert '<span class="mark na">not graded</span>' in html
+    assert "p&lt;1&gt;" in html and "What is 1 &amp; 2?" in html and '<p class="note">a &amp; b</p>' in html
+    for bad in ([tv.Case(runs, marks=[None])], [tv.Case([])], []):
+        with pytest.raises(tv.ConfigError):
+            tv.render_cases(bad)
+    with pytest.raises(tv.ConfigError, match="True, False or None"):
+        tv.Mark(1, "one is not a verdict")
 
 
 def test_page_inlines_the_packaged_assets():

@@ -8,7 +8,7 @@ import pytest
 
 from epikv_local.errors import ConfigError, DataError
 from epikv_local.policies import ModelShape, Observation, make_policy
-from epikv_local.policies.mix import rank01
+from epikv_local.policies.base import rank01
 from epikv_local.policies.rope import frequencies, to_complex
 from epikv_local.policies.triattention import QueryStats
 

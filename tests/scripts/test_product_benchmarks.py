@@ -117,3 +117,49 @@ def test_accuracy_and_recall_bad_input_is_one_line(tmp_path, script):
                            text=True, timeout=120, cwd=REPO)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
         assert "Traceback" not in r.stderr
+
+
+def _tiny_gsm8k(tmp_path) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"id": f"p{i}", "split": "dev", "question": f"What is {i} plus 3?", "answer": str(i + 3),
+             "solution": ""} for i in range(2)]
+    (data / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+def test_accuracy_pages_replay_the_benchmark(tmp_path):
+    """The page's three runs per problem give the answers bench_accuracy recorded for the same settings (the
+    script says how many differ), and each run carries its verdict."""
+    data, records = _tiny_gsm8k(tmp_path), tmp_path / "r.jsonl"
+    common = ("--data", data, "--prompt", "counted", "--max-tokens", "48")
+    run("bench_accuracy.py", *common, "--policies", "streaming,epikv", "--budgets", "80", "--records", records,
+        "--out", tmp_path / "a.json")
+    recs = [json.loads(x) for x in records.read_text().splitlines()]
+    assert len(recs) == 6 and any(r["n_evicted"] for r in recs)
+    page = tmp_path / "page.html"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "accuracy_pages.py"), *map(str, common),
+                        "--policies", "streaming,epikv", "--budget", "80", "--ids", "p0,p1", "--records", str(records),
+                        "--out", str(page)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 cases written" in r.stderr and "0 of 6 answers checked differ from the records" in r.stderr, r.stderr
+    html = page.read_text(encoding="utf-8")
+    assert html.count('<section class="case">') == 2 and html.count('<section class="run"') == 6
+    assert html.count('class="runs n3"') == 2
+    right, wrong = html.count('<span class="mark ok">right: '), html.count('<span class="mark bad">wrong: ')
+    assert right + wrong == 6 and right == sum(x["correct"] for x in recs)
+    assert "What is 1 plus 3?" in html and not list(tmp_path.glob(".*tmp*"))
+
+
+def test_accuracy_pages_bad_input_is_one_line(tmp_path):
+    data = _tiny_gsm8k(tmp_path)
+    base = [sys.executable, str(REPO / "scripts" / "accuracy_pages.py"), "--data", str(data)]
+    for args, needle in ((["--policies", "streaming", "--out", tmp_path / "x.html"], "two policies"),
+                         (["--ids", "p9", "--out", tmp_path / "x.html"], "p9"),
+                         (["--out", tmp_path / "missing" / "x.html"], "does not exist"),
+                         (["--budget", "0", "--out", tmp_path / "x.html"], "--budget"),
+                         (["--records", tmp_path / "none.jsonl", "--out", tmp_path / "x.html"], "not found")):
+        r = subprocess.run(base + list(map(str, args)), capture_output=True, text=True, timeout=120, cwd=REPO)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, r.stderr)
+    assert not (tmp_path / "x.html").exists()

@@ -1,4 +1,4 @@
-"""The token view's front doors: :func:`token_view` (one call: run one or two policies, write the page; exported
+"""The token view's front doors: :func:`token_view` (one call: run one to three policies, write the page; exported
 as ``epikv_local.token_view``) and :class:`PageBuilder` (the page of ``epikv-local generate --html`` and
 ``--html-compare``), with :func:`page_meta`, the header facts both put on the page.
 
@@ -70,7 +70,7 @@ def token_view(model_path: str | os.PathLike | None, prompt: str, policies: Sequ
                n_sink: int = 4, n_recent: int | None = None, protect_prompt: bool = True, evict_chunk: int = 16,
                session_cfg: SessionConfig | None = None, n_gpu_layers: int = -1, stop: tuple[str, ...] = (),
                ignore_eog: bool = False) -> list[TokenRun]:
-    """Run ``prompt`` under each of one or two ``policies`` (same budget, sampling and seed; greedy by default)
+    """Run ``prompt`` under each of one to three ``policies`` (same budget, sampling and seed; greedy by default)
     and write the side-by-side token view to ``out`` (None: write nothing). Returns the runs.
 
     model_path None: the default model. Each policy takes the model's calibration the way the CLI does

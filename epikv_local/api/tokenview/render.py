@@ -1,4 +1,9 @@
-"""The token view's page: one or two :class:`~.records.TokenRun` as ONE self-contained HTML file.
+"""The token view's page: runs of :class:`~.records.TokenRun` side by side, as ONE self-contained HTML file.
+
+A page holds one or more :class:`Case` (one prompt and its 1 to :data:`MAX_RUNS` runs, e.g. a full cache and two
+policies), each run optionally with a :class:`Mark` (a verdict on its title, e.g. "right: 18"); :func:`render_html`
+is the one-case page of the CLI and :func:`~.page.token_view`, :func:`render_cases` the page of several prompts
+(a benchmark setting's problems).
 
 Self-contained means: the CSS and JavaScript (package data files ``assets/token_view.css`` and
 ``assets/token_view.js``, read with :mod:`importlib.resources`) are inlined in ``<style>``/``<script>``, there
@@ -13,6 +18,7 @@ from __future__ import annotations
 import html
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -22,8 +28,32 @@ from ...errors import ConfigError, EpikvError
 from .display import SCALE, colour, display_text, fmt_bytes, fmt_score, percentiles
 from .records import TokenRecord, TokenRun
 
-#: most runs one page shows side by side
-MAX_RUNS = 2
+#: most runs one case shows side by side
+MAX_RUNS = 3
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A verdict shown on a run's title: ``ok`` True (green), False (red) or None (grey); ``text`` says what,
+    e.g. ``"right: 18"`` or ``"wrong: 17 (gold 18)"``. The token view does not grade: the caller does."""
+
+    ok: bool | None
+    text: str
+
+    def __post_init__(self):
+        if not isinstance(self.ok, (bool, type(None))):
+            raise ConfigError(f"a mark's ok is True, False or None, got {self.ok!r}")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One prompt's runs side by side (1 to :data:`MAX_RUNS`, same prompt tokens), with an optional heading, the
+    prompt text shown above them and one optional :class:`Mark` per run (``marks`` empty: none)."""
+
+    runs: Sequence[TokenRun]
+    title: str | None = None
+    prompt: str | None = None
+    marks: Sequence[Mark | None] = ()
 
 
 @lru_cache(maxsize=None)
@@ -135,8 +165,16 @@ def _cache_map(run: TokenRun) -> str:
             '<i style="background:#d00;width:2px"></i>prompt end</span></div>')
 
 
-def _run_section(run: TokenRun) -> str:
-    """One run's column: title, statistics, legend, cache strip, then the prompt's and the generated spans."""
+def _mark(mark: Mark | None) -> str:
+    if mark is None:
+        return ""
+    cls = {True: "ok", False: "bad", None: "na"}[mark.ok]
+    return f'<span class="mark {cls}">{_e(mark.text)}</span>'
+
+
+def _run_section(run: TokenRun, mark: Mark | None = None) -> str:
+    """One run's column: title (and mark), statistics, legend, cache strip, then the prompt's and the generated
+    spans."""
     qs = percentiles([r.score for r in run.records])
     stats = "".join(f"<li>{_e(k)} <strong>{_e(v)}</strong></li>" for k, v in _stats_items(run))
     sub = f"{run.n_evicted} of {len(run.records)} tokens evicted \u00b7 {run.n_live} live at the end"
@@ -146,7 +184,7 @@ def _run_section(run: TokenRun) -> str:
     gen = "".join(_span(r, q) for r, q in zip(run.records, qs) if r.kind == "generated")
     n_gen = sum(r.kind == "generated" for r in run.records)
     return (f'<section class="run" data-policy="{_e(run.stats.policy)}">'
-            f'<h2>{_e(run.label)}<span class="sub">{_e(sub)}</span></h2>'
+            f'<h3>{_e(run.label)}{_mark(mark)}<span class="sub">{_e(sub)}</span></h3>'
             f'<ul class="stats">{stats}</ul>{_legend(run, qs)}{_cache_map(run)}'
             f'<div class="part-label">prompt \u00b7 {run.n_prompt} tokens</div>'
             f'<div class="text prompt-part">{prompt}</div>'
@@ -154,30 +192,50 @@ def _run_section(run: TokenRun) -> str:
             f'<div class="text gen-part">{gen}</div></section>')
 
 
-def render_html(runs: Sequence[TokenRun], title: str = "epikv-local token view", prompt: str | None = None,
-                meta: dict | None = None) -> str:
-    """One self-contained HTML page of one or two runs side by side (inline CSS/JS, every text escaped).
-
-    prompt: the user's prompt shown in the header; meta: extra header facts ({name: value}, e.g. model, seed).
-    """
-    runs = list(runs)
+def _case_section(case: Case) -> str:
+    runs, marks = list(case.runs), list(case.marks)
     if not 1 <= len(runs) <= MAX_RUNS:
-        raise ConfigError(f"a token view shows 1 to {MAX_RUNS} runs, got {len(runs)}")
+        raise ConfigError(f"a token view shows 1 to {MAX_RUNS} runs side by side, got {len(runs)}")
+    if marks and len(marks) != len(runs):
+        raise ConfigError(f"{len(marks)} marks for {len(runs)} runs: give one per run (None: no mark)")
+    head = f'<h2 class="case-title">{_e(case.title)}</h2>' if case.title else ""
+    if case.prompt is not None:
+        head += f'<div class="prompt-line"><strong>Prompt:</strong> {_e(case.prompt)}</div>'
+    body = "".join(_run_section(r, marks[i] if marks else None) for i, r in enumerate(runs))
+    return f'<section class="case">{head}<div class="runs n{len(runs)}">{body}</div></section>'
+
+
+def render_cases(cases: Sequence[Case], title: str = "epikv-local token view", meta: dict | None = None,
+                 note: str | None = None) -> str:
+    """One self-contained HTML page (inline CSS/JS, every text escaped) of one or more cases, one below the
+    other, each with its runs side by side. meta: header facts ({name: value}, e.g. model, budget); note: a
+    paragraph under the header (what the page shows, how it was made)."""
+    cases = list(cases)
+    if not cases:
+        raise ConfigError("a token view page needs at least one case")
     facts = " \u00b7 ".join(f"{_e(k)}: {_e(v)}" for k, v in (meta or {}).items())
     head = (f'<header><h1>{_e(title)}</h1><span class="meta">{facts}</span>'
             '<label><input type="checkbox" id="hide-ev"> hide evicted tokens</label></header>')
-    if prompt is not None:
-        head += f'<div class="prompt-line"><strong>Prompt:</strong> {_e(prompt)}</div>'
-    body = "".join(_run_section(r) for r in runs)
+    if note:
+        head += f'<p class="note">{_e(note)}</p>'
+    body = "".join(_case_section(c) for c in cases)
     foot = ("<footer>Each token is coloured by its policy score (higher = keep) as a percentile within its run: the "
             "score in the round that evicted it, or its final score if it survived. Struck through and faded: "
             "evicted; underlined: protected at the end. Hover a token for its position, score and eviction step "
-            "(the same position is outlined in the other run). Generated by epikv-local.</footer>")
+            "(the same position is outlined in the other runs of its case). Generated by epikv-local.</footer>")
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
             f'<title>{_e(title)}</title><style>\n{asset("token_view.css")}</style></head><body>{head}'
-            f'<main class="n{len(runs)}">{body}</main>{foot}<div id="tip"></div>'
+            f'<main>{body}</main>{foot}<div id="tip"></div>'
             f'<script>\n{asset("token_view.js")}</script></body></html>\n')
+
+
+def render_html(runs: Sequence[TokenRun], title: str = "epikv-local token view", prompt: str | None = None,
+                meta: dict | None = None, marks: Sequence[Mark | None] = ()) -> str:
+    """The page of one prompt: its 1 to :data:`MAX_RUNS` runs side by side (:func:`render_cases` of one
+    :class:`Case`). prompt: the user's prompt, shown above the runs; meta: header facts ({name: value}, e.g.
+    model, seed); marks: one verdict per run, or none."""
+    return render_cases([Case(list(runs), prompt=prompt, marks=marks)], title=title, meta=meta)
 
 
 # -- writing ----------------------------------------------------------------------------------------------

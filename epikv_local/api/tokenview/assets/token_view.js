@@ -7,7 +7,8 @@
     var x=Math.min(e.clientX+14,window.innerWidth-370), y=e.clientY+16;
     if(y+110>window.innerHeight){y=e.clientY-110;}
     tip.style.left=x+'px'; tip.style.top=y+'px';
-    var p=s.dataset.p; document.querySelectorAll('.tok[data-p="'+p+'"]').forEach(function(o){o.classList.add('hl');});
+    var p=s.dataset.p, scope=s.closest('.case')||document;  /* the same position in this prompt's runs only */
+    scope.querySelectorAll('.tok[data-p="'+p+'"]').forEach(function(o){o.classList.add('hl');});
   }
   function hide(e){
     var s=e.target.closest('.tok'); tip.style.display='none';
