@@ -66,6 +66,7 @@ def run(args) -> int:
     from epikv_local.engine.sampling import SamplingConfig
     from epikv_local.errors import ConfigError
     from epikv_local.eval.accuracy import grade
+    from epikv_local.policies import policy_spec
 
     if len(args.policies) != 2:
         raise ConfigError(f"--policies takes two policies (shown beside the full cache), got {len(args.policies)}")
@@ -80,7 +81,7 @@ def run(args) -> int:
     setting = {name: (f"full/{args.prompt}" if name == "full" else f"{name}@{args.budget}/{args.prompt}")
                for name, _, _ in columns}
     specs = [resolve_session(model_path, kv_budget=budget, kv_policy=policy, protect_prompt=protect,
-                             n_threads=args.threads, flash_attn=policy not in ("h2o", "tova", "snapkv", "rkv"))
+                             n_threads=args.threads, flash_attn=not policy_spec(policy).cls.needs_attention)
              for _, policy, budget in columns]
     recorded: dict[tuple[str, str], dict] = {}
     if args.records:

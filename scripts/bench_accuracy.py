@@ -82,6 +82,7 @@ def check_same_run(rows: list[dict], config: dict, records: Path) -> None:
 
 def run(args) -> int:
     from epikv_local.api.llama import Llama
+    from epikv_local.policies import policy_spec
     from epikv_local.errors import ConfigError
     from epikv_local.eval.accuracy import grade
 
@@ -106,7 +107,7 @@ def run(args) -> int:
         log(f"{name} ({args.prompt} prompt): {len(todo)} problems")
         with Llama(model_path=model, kv_budget=kv_budget, kv_policy=policy, protect_prompt=protect,
                    n_threads=args.threads, seed=0, verbose=False,
-                   flash_attn=policy not in ("h2o", "tova", "snapkv", "rkv")) as llm:
+                   flash_attn=not policy_spec(policy).cls.needs_attention) as llm:
             for p in todo:
                 llm.reset()
                 t0 = time.perf_counter()

@@ -169,7 +169,7 @@ ACCURACY_OPTIONS = (("--accuracy-problems", "n_problems", 16), ("--accuracy-budg
 def _accuracy_objective(args: argparse.Namespace, grid, default_problems: Path):
     """The AccuracyObjective of ``--objective accuracy`` (None for ``delta_nll``), everything it will read
     checked now (the problems file, every dev problem it answers, the budget), not after the grid's minutes."""
-    from ..engine.budget import BudgetConfig
+    from ..engine.budget import DEFAULT_RECENT_FRACTION, BudgetConfig
     from .calibrate_accuracy import AccuracyObjective, dev_problems
 
     given = {opt: getattr(args, opt[2:].replace("-", "_")) for opt, _, _ in ACCURACY_OPTIONS}
@@ -187,7 +187,7 @@ def _accuracy_objective(args: argparse.Namespace, grid, default_problems: Path):
     problems = args.problems or str(default_problems)
     objective = AccuracyObjective(problems, **values)
     dev_problems(problems, objective.n_problems)
-    for rf in grid.recent + (0.5,):  # every recent share the candidates may have (0.5: the default's)
+    for rf in grid.recent + (DEFAULT_RECENT_FRACTION,):  # every recent share a candidate may have
         BudgetConfig(kv_budget=objective.kv_budget, n_sink=objective.n_sink, recent_fraction=rf, protect_prompt=False)
     return objective
 
