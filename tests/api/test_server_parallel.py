@@ -11,7 +11,10 @@ from test_server import BUDGET, http, leave_mid_stream, serving
 
 openai = pytest.importorskip("openai")
 
-QUESTIONS = [f"Write the number {i} in words, then count to three." for i in range(8)]
+# one distinct word per question: its answer repeats it (checked on the default model), so text mixed in
+# from another stream shows as another question's word
+WORDS = ["apple", "river", "candle", "tiger", "violin", "garden", "rocket", "pillow"]
+QUESTIONS = [f"Repeat the word '{w}' three times." for w in WORDS]
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +55,14 @@ def test_eight_clients_on_four_sequences_all_answered_unmixed(server, model_path
     for i in range(8):
         assert not isinstance(out[i], Exception), out[i]
     assert len({out[i][0] for i in range(8)}) == 8
-    # each answer is the one its question gets alone (greedy; alone = one request in the pool)
-    for i in (1, 6):
-        assert answer(server, model_path.name, i, stream=False)[1].split()[:2] == out[i][1].split()[:2]
+    # each answer holds its own question's word and no other's. Not compared token for token with the answer
+    # alone: four chat prompts of ~30 tokens share a ubatch of >= 64 rows, where llama.cpp's CPU flash
+    # attention takes its tiled path and rounds differently from a prompt decoded alone (docs/parallel.md;
+    # exactness below 64 rows is tested in tests/api/test_parallel.py and tests/engine/test_pool.py)
+    for i in range(8):
+        text = out[i][1].lower()
+        assert WORDS[i] in text, (i, out[i][1])
+        assert not [w for w in WORDS if w != WORDS[i] and w in text], (i, out[i][1])
     health = server.health()
     assert health["busy"] is False and health["n_parallel"] == 4
 
