@@ -163,3 +163,34 @@ def test_accuracy_pages_bad_input_is_one_line(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, r.stderr)
     assert not (tmp_path / "x.html").exists()
+
+
+def test_profile_server_summarizes_py_spy_stacks(tmp_path):
+    """scripts/profile_server.py: py-spy attached to a real `serve --parallel 2` while two streams run; the
+    summary names the decode thread and splits the samples; its parser on a hand-made raw profile."""
+    d = run("profile_server.py", "--n", "2", "--tokens", "24", "--no-native", "--rate", "50", "--engine", "--out",
+            tmp_path / "p.json", timeout=900)
+    assert d["unprofiled"]["wall_s"] > 0 and d["unprofiled"]["cpu_s"]["other"] > 0
+    assert d["engine"]["many"]["rounds"] > 0 and d["engine"]["one"]["ms_per_round"] > 0
+    busy = d["profiled"]["thread_busy"]
+    assert d["profiled"]["samples"] > 0 and all(0 <= v <= 1.01 for v in busy.values()), busy
+    assert "epikv-decode" in busy and d["profiled"]["ticks"] > 0, busy
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import profile_server
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    raw = ("thread (1): epikv-decode;_loop (epikv_local/engine/pool.py:80);llama_decode (libllama.so) 6\n"
+           "thread (1): epikv-decode;_run (epikv_local/engine/pool.py:381) 2\n"
+           "thread (2): MainThread;EpollSelector.select (selectors.py:468) 2\n")
+    s = profile_server.summarize(raw, top=5)
+    assert s["samples"] == 10 and s["ticks"] == 8
+    assert s["thread_busy"] == {"epikv-decode": 1.0, "MainThread": 0.0}  # select() is waiting, not busy
+    assert s["decode_thread_in_llama_decode"] == 0.75
+    assert s["top_python_frames"] == [{"frame": "epikv-decode: _run (epikv_local/engine/pool.py)", "share": 0.25}]
+
+
+def test_profile_server_bad_input_is_one_line():
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "profile_server.py"), "--n", "0"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--n" in r.stderr, r.stderr
