@@ -84,17 +84,27 @@ def test_n_with_one_sequence_runs_one_after_another(model_path):
         assert [x["index"] for x in c["choices"]] == [0, 1]
 
 
-def test_n_streamed_gives_each_choice_its_index_and_the_answers_of_the_unstreamed_call(parallel):
-    """Streamed ``n``: every chunk carries its choice's index, all one id; greedy choices are twice the same
-    answer (they sample the prompt's one logits row), and each is the unstreamed call's answer."""
+def test_n_streamed_gives_each_choice_its_index_and_greedy_tokens_of_the_prompts_logits(parallel):
+    """Streamed ``n``: every chunk carries its choice's index, all one id, each choice's text is the tokens of
+    its logprobs; greedy, every token is the top one of its own logits and both choices' first token comes from
+    the prompt's one logits row. Later tokens are not compared with each other: the branches' tokens lie in
+    different cells and llama.cpp's CPU flash attention rounds by the cells' order (docs/parallel.md)."""
     msgs = [{"role": "user", "content": LONG}]
-    chunks = list(parallel.create_chat_completion(msgs, max_tokens=8, temperature=0, n=2, stream=True))
-    texts = {0: "", 1: ""}
+    chunks = list(parallel.create_chat_completion(msgs, max_tokens=8, temperature=0, n=2, stream=True,
+                                                  logprobs=True, top_logprobs=2))
+    texts, steps = {0: "", 1: ""}, {0: [], 1: []}
     for c in chunks:
-        texts[c["choices"][0]["index"]] += c["choices"][0]["delta"].get("content") or ""
-    assert texts[0] and texts[0] == texts[1] and len({c["id"] for c in chunks}) == 1
+        ch = c["choices"][0]
+        texts[ch["index"]] += ch["delta"].get("content") or ""
+        steps[ch["index"]] += (ch.get("logprobs") or {}).get("content") or []
+    assert len({c["id"] for c in chunks}) == 1
+    for i in (0, 1):
+        assert steps[i] and texts[i] == "".join(e["token"] for e in steps[i])
+        assert all(e["top_logprobs"][0]["token"] == e["token"] for e in steps[i])
+    assert steps[0][0] == steps[1][0]
     whole = parallel.create_chat_completion(msgs, max_tokens=8, temperature=0, n=2)
-    assert [c["message"]["content"] for c in whole["choices"]] == [texts[0], texts[1]]
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    assert all(c["message"]["content"] for c in whole["choices"])
     pieces = list(parallel.create_completion(LONG, max_tokens=6, temperature=1.0, seed=3, n=3, stream=True))
     assert {c["choices"][0]["index"] for c in pieces} == {0, 1, 2}
 

@@ -194,3 +194,16 @@ def test_profile_server_bad_input_is_one_line():
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "profile_server.py"), "--n", "0"],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--n" in r.stderr, r.stderr
+
+
+def test_bench_fa_accumulator_refuses_a_library_without_the_experimental_patch():
+    """The shipped library has one accumulator: both modes give the same logits, which the script says in one
+    line (exit 2) instead of reporting a comparison of a kernel with itself. Bad counts are one line too."""
+    script = str(REPO / "scripts" / "bench_fa_accumulator.py")
+    r = subprocess.run([sys.executable, script, "--repeats", "1", "--ctx", "64", "--speed-tokens", "2", "--tokens",
+                        "3"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "built without patches/experimental/0005" in r.stderr
+    r = subprocess.run([sys.executable, script, "--repeats", "0"], capture_output=True, text=True, timeout=120,
+                       cwd=REPO)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--repeats" in r.stderr, r.stderr
