@@ -207,3 +207,16 @@ def test_bench_fa_accumulator_refuses_a_library_without_the_experimental_patch()
     r = subprocess.run([sys.executable, script, "--repeats", "0"], capture_output=True, text=True, timeout=120,
                        cwd=REPO)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--repeats" in r.stderr, r.stderr
+
+
+def test_bench_prefill_rows_measures_the_three_ways_and_refuses_bad_counts(tmp_path):
+    script = str(REPO / "scripts" / "bench_prefill_rows.py")
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, script, "--rows", "64", "--repeats", "1", "--threads", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    (run,) = json.loads(out.read_text())["runs"]
+    assert min(run["one_seq_64_rows_per_s"], run["one_seq_256_rows_per_s"], run["four_seqs_64_rows_per_s"]) > 0
+    assert 1 <= run["four_seqs_rounds"] <= 4 and run["four_seqs_shared_rounds"] <= run["four_seqs_rounds"]
+    r = subprocess.run([sys.executable, script, "--rows", "0"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--rows" in r.stderr, r.stderr
