@@ -19,7 +19,7 @@ Each worker measures, on the default model unless ``--model``:
 - **speed**: one sequence's decode tokens/s after a prefill of ``--ctx`` tokens of dev-trace text
   (attention over many cells is where the accumulator's cost shows).
 
-    python scripts/bench_fa_accumulator.py --threads 2 --repeats 2 --out results/fa_accumulator.json
+    python scripts/bench_fa_accumulator.py --threads 2 --repeats 2 --ctx 2048 --speed-tokens 64 --tokens 20
 """
 
 from __future__ import annotations
