@@ -113,14 +113,15 @@ def test_n_three_choices_share_the_prompt_and_stream_with_their_index(server, mo
     assert len({c.text for c in r.choices}) > 1  # seeds 7, 8, 9
     chunks = list(client.chat.completions.create(model=model_path.name, messages=[{"role": "user", "content": prompt}],
                                                  max_tokens=6, temperature=0, n=2, stream=True, logprobs=True,
-                                                 top_logprobs=2))
+                                                 top_logprobs=2, extra_body={"repeat_penalty": 1.0}))
     assert len({c.id for c in chunks}) == 1
     steps: dict = {0: [], 1: []}
     texts = {0: "", 1: ""}
     for c in chunks:
         steps[c.choices[0].index] += (c.choices[0].logprobs.content or []) if c.choices[0].logprobs else []
         texts[c.choices[0].index] += c.choices[0].delta.content or ""
-    # greedy, each choice on its own: every token is the top one of its own logits, and the first token of both
+    # greedy without the server's default repeat penalty (1.1, llama-cpp-python's; logprobs are of the raw
+    # logits), each choice on its own: every token is the top one of its own logits, and the first token of both
     # is sampled from the same prompt logits (the second choice branches the first). The later tokens are not
     # compared: the two branches' tokens lie in different cells, and llama.cpp's CPU flash attention rounds by
     # the cells' physical order (docs/parallel.md, "Batch invariance"), which flipped a near tie in CI
