@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import provenance, save_json  # noqa: E402
+from benchlib import dev_trace_text, provenance, save_json  # noqa: E402
 
 PROG = "bench_evict_scaling"
 
@@ -54,8 +54,6 @@ def main(argv=None) -> int:
     from epikv_local.api.models import default_model_path
     from epikv_local.engine.handles import Model, check_gguf
     from epikv_local.errors import ConfigError, DataError
-    from epikv_local.eval.io import read_jsonl
-    from epikv_local.eval.traces import default_dev_traces, trace_text
 
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF model (default: the cached default model)")
@@ -78,7 +76,7 @@ def main(argv=None) -> int:
                              "settings": vars(args), "rows": rows})
 
     with Model(model_path) as model:
-        text = " ".join(trace_text(r) for _, r in read_jsonl(default_dev_traces(), "trace file"))
+        text = dev_trace_text()
         tokens = model.tokenize(text)
         need = max(budgets) + args.tokens
         while len(tokens) < need:  # the dev traces hold ~150K tokens; repeat them if a budget asks for more

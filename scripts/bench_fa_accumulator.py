@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import provenance, save_json  # noqa: E402
+from benchlib import dev_trace_text, provenance, save_json  # noqa: E402
 
 PROG = "bench_fa_accumulator"
 PROMPTS = ["Here are some notes about rivers, mountains and the weather in the north of the country:",
@@ -126,11 +126,9 @@ def eviction(model, cfg, n: int) -> dict:
 def speed(model, threads: int | None, ctx: int, n: int) -> dict:
     from epikv_local.engine.budget import BudgetConfig
     from epikv_local.engine.session import Session, SessionConfig
-    from epikv_local.eval.io import read_jsonl
-    from epikv_local.eval.traces import default_dev_traces, trace_text
     from epikv_local.policies import make_policy
 
-    text = " ".join(trace_text(r) for _, r in read_jsonl(default_dev_traces(), "trace file"))
+    text = dev_trace_text()
     tokens = model.tokenize(text)[:ctx + n]
     cfg = SessionConfig(n_batch=512, n_threads=threads)
     with Session(model, make_policy("streaming"), BudgetConfig(kv_budget=ctx + n), cfg) as s:

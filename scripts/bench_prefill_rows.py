@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import provenance, save_json  # noqa: E402
+from benchlib import dev_trace_text, provenance, save_json  # noqa: E402
 
 PROG = "bench_prefill_rows"
 
@@ -82,8 +82,6 @@ def main(argv=None) -> int:
     from epikv_local.api.models import default_model_path
     from epikv_local.engine.handles import Model, check_gguf
     from epikv_local.errors import ConfigError, DataError
-    from epikv_local.eval.io import read_jsonl
-    from epikv_local.eval.traces import default_dev_traces, trace_text
 
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF model (default: the cached default model)")
@@ -98,7 +96,7 @@ def main(argv=None) -> int:
     path = check_gguf(args.model) if args.model else default_model_path()
     runs = []
     with Model(path) as model:
-        text = " ".join(trace_text(r) for _, r in read_jsonl(default_dev_traces(), "trace file"))
+        text = dev_trace_text()
         tokens = model.tokenize(text)
         if len(tokens) < 4 * args.rows:
             raise DataError(f"the dev traces hold {len(tokens)} tokens, fewer than 4 x --rows ({4 * args.rows})")

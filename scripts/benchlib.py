@@ -120,6 +120,14 @@ def csv_of(kind, what: str):
     return parse
 
 
+def dev_trace_text() -> str:
+    """The text of the package's dev traces (the ones ``calibrate`` ships), joined by spaces."""
+    from epikv_local.eval.io import read_jsonl
+    from epikv_local.eval.traces import default_dev_traces, trace_text
+
+    return " ".join(trace_text(r) for _, r in read_jsonl(default_dev_traces(), "trace file"))
+
+
 def log(msg: str) -> None:
     """A progress line on stderr, timestamped."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
