@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", help="run name in the output file names (default: quick / the data file's stem)")
     ap.add_argument("--out", default="results", help="output directory (default results/)")
     ap.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    ap.add_argument("--parallel", type=int, default=1, metavar="N",
+                    help="a policy's budgets decoded together as N sequences of one context (default 1: one pass at "
+                         "a time; docs/calibration.md, 'Parallel passes')")
     ap.add_argument("--calibration", help="also run 'epikv_calibrated': EPIKV with the layers/window/recent share of "
                                           "this calibration JSON ('auto': the model's cached calibration)")
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
@@ -243,6 +246,8 @@ def run(args) -> int:
         raise ConfigError(f"--max-tokens must be >= 2, got {max_tokens}")
     if args.chunk < 1:
         raise ConfigError(f"--chunk must be >= 1, got {args.chunk}")
+    if args.parallel < 1:
+        raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
     if not 0.0 <= args.recent_fraction < 1.0:
         raise ConfigError(f"--recent-fraction must be in [0, 1), got {args.recent_fraction}")
     if args.key_window < 0:
@@ -325,6 +330,7 @@ def run(args) -> int:
                     window_nll = local_window_nll(model, toks, args.key_window, start, len(toks) - 1, flash_attn=fa,
                                                   n_threads=args.threads)
                 common = dict(chunk=args.chunk, n_sink=args.n_sink, flash_attn=fa, n_threads=args.threads,
+                              n_parallel=args.parallel,
                               progress=lambda m: log("  " + m), answer=answer, key_window=args.key_window or None,
                               key_threshold=args.key_threshold, keep_positions=bool(grid_windows))
                 trace_rows = evaluate_trace(model, toks, policies, budgets, recent_fraction=args.recent_fraction,

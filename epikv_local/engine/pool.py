@@ -322,7 +322,8 @@ class SequencePool(Closing):
             self._cond.notify_all()
 
     def _compose(self) -> list[tuple[_Request, int]]:
-        """This round's parts: (request, tokens to take), single tokens first, then prompt chunks in order."""
+        """This round's parts: (request, tokens to take), single tokens first, then prompt chunks in order of
+        arrival, as long as the ubatch has room; decoded in the order of their sequence ids."""
         room = self.ctx.n_batch
         work: list[tuple[_Request, int]] = []
         for req in self._pending:
@@ -340,6 +341,9 @@ class SequencePool(Closing):
                 continue  # every row of the part in one decode: wait for a round with room
             work.append((req, n))
             room -= n
+        # in the batch by sequence id, not by arrival: a row's last bits depend on where it sits in the ubatch
+        # (the CPU kernels split and block by rows), so the same parts give the same results on every run
+        work.sort(key=lambda part: part[0].session.seq_id)
         return work
 
     def _run(self, work: list[tuple[_Request, int]]) -> None:

@@ -54,7 +54,8 @@ from ..policies.scoring import ScoringConfig
 from .anatomy import capture_pass, layer_z, rank_layers
 from .calibrate_accuracy import AccuracyObjective, choose_by_accuracy
 from .io import write_atomic
-from .fidelity import StreamingComparison, reference_pass, teacher_forced_pass
+from .fidelity import StreamingComparison
+from .passes import PassJob, reference_passes, run_passes
 from .labels import LabelSettings, label_trace, labels_by_trace, read_labels, run_labels
 from .progress import progress_bar
 from .signals import collect_query_stats, select_policy
@@ -62,15 +63,16 @@ from .stats import signal_stats
 from .traces import load_traces
 
 # -- fidelity of one configuration ------------------------------------------------------------------------------
-def policy_delta_nll(model, tokens: list[int], ref, cfg: ScoringConfig, budget: BudgetConfig, chunk: int,
-                     n_threads: int | None = None) -> float:
-    """Mean ΔNLL (positions t >= kv_budget) of an EPIKV pass with ``cfg`` against the reference ``ref``."""
-    cmp = StreamingComparison(ref.logp, ref.eval_start, tokens)
+def policy_delta_nlls(model, jobs: list[tuple[list[int], object, BudgetConfig]], cfg: ScoringConfig, chunk: int,
+                      n_threads: int | None = None, n_parallel: int = 1) -> list[float]:
+    """Mean ΔNLL (positions t >= kv_budget) of an EPIKV pass with ``cfg`` for each (tokens, reference, budget) of
+    ``jobs``, in order; ``n_parallel`` passes decoded together (:func:`.passes.run_passes`)."""
     layers = (cfg.layer_a,) if cfg.layer_b is None else (cfg.layer_a, cfg.layer_b)
-    policy = EpikvPolicy(layers=layers, window=cfg.window)
-    teacher_forced_pass(model, tokens, policy, budget, chunk, ref.flash_attn, n_threads=n_threads,
-                        eval_start=budget.kv_budget, on_chunk=cmp)
-    return cmp.means()["delta_nll"]
+    cmps = [StreamingComparison(ref.logp, ref.eval_start, toks) for toks, ref, _ in jobs]
+    run_passes(model, EpikvPolicy(layers=layers, window=cfg.window),
+               [PassJob(toks, b, b.kv_budget, on_chunk=cmp) for (toks, _, b), cmp in zip(jobs, cmps)], chunk,
+               jobs[0][1].flash_attn if jobs else True, n_threads=n_threads, n_parallel=n_parallel)
+    return [cmp.means()["delta_nll"] for cmp in cmps]
 
 
 def layer_ranking(model, traces: list[tuple[str, list[int]]], lab: dict[str, dict[int, dict]], window: int,
@@ -134,9 +136,11 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
               full_grid: bool = False, n_threads: int | None = None, labels_path: str | os.PathLike | None = None,
               out: str | os.PathLike | None = None,
               log: Callable[[str], None] | None = None, signals: bool = True,
-              accuracy: AccuracyObjective | None = None) -> CalibrationResult:
+              accuracy: AccuracyObjective | None = None, n_parallel: int = 1) -> CalibrationResult:
     """Run the calibration on ``traces_path`` (dev traces!) and write the JSON. Returns the result.
-    ``accuracy``: choose EPIKV's settings on answer accuracy of dev problems (step 4) instead of ΔNLL alone."""
+    ``accuracy``: choose EPIKV's settings on answer accuracy of dev problems (step 4) instead of ΔNLL alone.
+    ``n_parallel``: fidelity passes of steps 2 and 3 decoded together as sequences of one context (the traces x
+    budgets of one setting; :func:`.passes.run_passes`)."""
     log = log or (lambda m: print(f"calibrate: {m}", file=sys.stderr, flush=True))
     t_start = time.perf_counter()
     model_path = Path(model_path)
@@ -182,8 +186,8 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
             raise DataError(f"no trace in {traces_path} has {grid.max_tokens} tokens")
         budgets = [b for b in grid.budgets if b < grid.max_tokens - 1]
         t0 = time.perf_counter()
-        refs = [reference_pass(model, toks, grid.chunk, True, eval_start=min(budgets), n_threads=n_threads)
-                for _, toks in traces]
+        refs = reference_passes(model, [toks for _, toks in traces], grid.chunk, True, eval_start=min(budgets),
+                                n_threads=n_threads, n_parallel=n_parallel)
         results: dict[tuple, dict] = {}
         default = ScoringConfig()
         dl = default.layers_for_depth(n_layer)
@@ -197,12 +201,12 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
             k = _key(cfg, rf)
             if k in results:
                 return results[k]["delta_nll"]
-            vals = {}
-            for (tid, toks), ref in zip(traces, refs):
-                for b in budgets:
-                    bc = BudgetConfig(kv_budget=b, n_sink=grid.n_sink, recent_fraction=rf, protect_prompt=False)
-                    vals[f"{tid}@{b}"] = policy_delta_nll(model, toks, ref, cfg, bc, grid.chunk, n_threads)
-                    bar.update(1)
+            keys = [(tid, b) for tid, _ in traces for b in budgets]
+            jobs = [(toks, ref, BudgetConfig(kv_budget=b, n_sink=grid.n_sink, recent_fraction=rf, protect_prompt=False))
+                    for (_, toks), ref in zip(traces, refs) for b in budgets]
+            got = policy_delta_nlls(model, jobs, cfg, grid.chunk, n_threads, n_parallel)
+            vals = {f"{tid}@{b}": v for (tid, b), v in zip(keys, got)}
+            bar.update(len(jobs))
             per_budget = {b: float(np.mean([v for kk, v in vals.items() if kk.endswith(f"@{b}")]))
                           for b in budgets}
             m = float(np.mean(list(vals.values())))
@@ -268,15 +272,15 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
                                      interleave_sources=True)
                 if len(longer) == grid.n_traces and s_want:
                     s_traces, s_budgets = longer, s_want
-                    s_refs = [reference_pass(model, toks, grid.chunk, True, eval_start=min(s_budgets),
-                                             n_threads=n_threads) for _, toks in s_traces]
+                    s_refs = reference_passes(model, [toks for _, toks in s_traces], grid.chunk, True,
+                                              eval_start=min(s_budgets), n_threads=n_threads, n_parallel=n_parallel)
                 else:  # short dev traces: step 2's traces and budgets, said so
                     log(f"signals: fewer than {grid.n_traces} traces of {s_max} tokens; budgets {budgets} on "
                         f"{grid.max_tokens} tokens instead")
             log(f"signals: {len(s_traces)} traces x {len(s_traces[0][1])} tokens, budgets {s_budgets}")
             selected = select_policy(model, s_traces, s_refs, s_budgets, grid.chunk, grid.n_sink, epikv_opts,
                                      best["recent_fraction"], str(qs_path) if qs_path else None,
-                                     n_threads=n_threads, log=log, fast=grid.fast_signals)
+                                     n_threads=n_threads, log=log, fast=grid.fast_signals, n_parallel=n_parallel)
             if selected["chosen"]["options"].get("query_stats"):  # stored relative to the calibration file
                 selected["chosen"]["options"]["query_stats"] = qs_name
             for c in selected["candidates"] + selected["by_budget"]:
@@ -305,7 +309,8 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
         "query_stats": qs_name, "selected": selected,
         "cost_seconds": {"labels_and_anatomy": round(t_labels, 1), "grid": round(t_grid, 1),
                          "signals": round(t_signals, 1), "accuracy": round(t_acc, 1), "total": round(cost, 1),
-                         "n_configs": len(results), "n_passes": len(results) * len(traces) * len(budgets)},
+                         "n_configs": len(results), "n_passes": len(results) * len(traces) * len(budgets),
+                         "n_parallel": n_parallel},
     }
     write_atomic(path, json.dumps(doc, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
     log(f"chosen layers {best['layer_a']},{best['layer_b']} window {best['window']} recent {best['recent_fraction']}: "

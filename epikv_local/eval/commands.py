@@ -10,6 +10,11 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
+#: calibrate's default --parallel: the passes of one setting (the default grid's 3 traces x 2 budgets) decoded 3 at
+#: a time (48 rows of chunk 16 per decode). Measured side by side on 2 CPU cores (docs/calibration.md, "Parallel
+#: passes"): 1.21x on Qwen2.5-Coder-0.5B, 1.04x on SmolLM2-135M; 6 at a time was slower than 3 on both
+PARALLEL_DEFAULT = 3
+
 
 def add_commands(sub) -> dict:
     """Add ``labels`` and ``calibrate`` to ``sub``; returns {command name: runner(args) -> exit status}."""
@@ -57,6 +62,9 @@ def add_commands(sub) -> dict:
     cp.add_argument("--accuracy-top-k", type=int, metavar="N", help="best ΔNLL settings tried besides the default (2)")
     cp.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                     help="llama.cpp threads (default: CPUs available - 1, at most 8)")
+    cp.add_argument("-np", "--parallel", type=int, default=PARALLEL_DEFAULT, metavar="N",
+                    help="fidelity passes decoded together as sequences of one context, as serve --parallel "
+                         f"(default {PARALLEL_DEFAULT}; 1: one pass at a time; docs/calibration.md)")
     return {"labels": run_labels_cmd, "calibrate": run_calibrate_cmd}
 
 
@@ -147,10 +155,13 @@ def run_calibrate_cmd(args: argparse.Namespace) -> int:
     grid = QUICK_GRID if args.quick else FAST_GRID if args.fast else Grid()
     if args.n_traces:
         grid = replace(grid, n_traces=args.n_traces)
+    if not 1 <= args.parallel <= 64:
+        raise ConfigError(f"--parallel must be in 1..64, got {args.parallel}")
     accuracy = _accuracy_objective(args, grid, REPO.parent / "shared" / "data" / "gsm8k_test.jsonl")
     with output_errors(args.out, "calibration"), output_errors(args.labels, "labels"):
         res = calibrate(model_path, traces, grid, full_grid=args.full_grid, n_threads=args.threads,
-                        labels_path=args.labels, out=args.out, signals=not args.no_signals, accuracy=accuracy)
+                        labels_path=args.labels, out=args.out, signals=not args.no_signals, accuracy=accuracy,
+                        n_parallel=args.parallel)
     print(json.dumps({"path": res.path, "objective": args.objective, "layer_a": res.layer_a,
                       "layer_b": res.layer_b, "window": res.window,
                       "recent_fraction": res.recent_fraction, "delta_nll": res.delta_nll,

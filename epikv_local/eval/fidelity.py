@@ -31,18 +31,18 @@ results compare); the appended answer only adds positions.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from ..engine.budget import BudgetConfig
 from ..engine.handles import Context, Model
-from ..engine.session import Session, SessionConfig
 from ..errors import ConfigError
-from ..policies import Policy, PolicySpec, make_policy, policy_spec
+from ..policies import Policy, PolicySpec, policy_spec
 from . import longrange as lr
-from .stats import bootstrap_ci, log_softmax, nll_rows
+from .passes import PassJob, PassResult, reference_pass, run_passes, teacher_forced_pass  # noqa: F401 - re-exported
+from .stats import bootstrap_ci, nll_rows
 
 METRICS = ("nll", "nll_ref", "delta_nll", "top1_agreement", "kl")
 #: per-position arrays kept by StreamingComparison (``top1_agreement`` and ``kl`` as in METRICS)
@@ -121,89 +121,6 @@ class StreamingComparison:
         out = {f"n_{prefix.rstrip('_')}": int(seen.sum())}
         out.update(lr.masked_means(a, seen, prefix))
         return out
-
-
-# -- passes ---------------------------------------------------------------------------------------------------------
-@dataclass
-class PassResult:
-    """One teacher-forced pass. logp: (n_eval, V) float32 of positions ``eval_start ..`` or None if streamed."""
-
-    policy: str
-    kv_budget: int
-    flash_attn: bool
-    eval_start: int
-    n_eval: int
-    seconds: float
-    decode_seconds: float
-    n_evicted: int
-    max_live: int
-    logp: np.ndarray | None = None
-    kv_bytes: int = 0
-    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-
-
-def teacher_forced_pass(model: Model, tokens: list[int], policy_name: str | Policy, budget_cfg: BudgetConfig, chunk: int,
-                        flash_attn: bool, n_threads: int | None = None, eval_start: int | None = None,
-                        on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
-                        type_k: str = "f16", type_v: str = "f16") -> PassResult:
-    """Feed ``tokens[:-1]`` in chunks of ``chunk`` through a budgeted session and read the log-probs.
-
-    type_k / type_v: KV cache element types of this pass (quantized caches compared with an f16 reference).
-
-    Positions ``t >= eval_start`` (default ``budget_cfg.kv_budget``) are evaluated; the last token is never
-    decoded (it has no target). Chunks before ``eval_start`` are decoded without all-row logits. With
-    ``on_chunk`` each evaluated chunk's ``(positions, logp (k, V) float32)`` is handed over and nothing is
-    kept; without it the log-probs are returned in ``PassResult.logp`` ((n_eval, V) float32).
-    """
-    if len(tokens) < 2:
-        raise ConfigError("a trace needs at least 2 tokens")
-    if chunk < 1:
-        raise ConfigError(f"chunk must be >= 1, got {chunk}")
-    start = budget_cfg.kv_budget if eval_start is None else eval_start
-    n_in = len(tokens) - 1
-    n_eval = max(0, n_in - start)
-    policy = policy_name if isinstance(policy_name, Policy) else make_policy(policy_name)
-    policy_name = policy.name
-    cfg = SessionConfig(n_batch=chunk, n_threads=n_threads, flash_attn=flash_attn, verify_flash_attn=True,
-                        type_k=type_k, type_v=type_v)
-    n_vocab = model.info.n_vocab
-    out = None if on_chunk is not None else np.empty((n_eval, n_vocab), dtype=np.float32)
-    t0 = time.perf_counter()
-    with Session(model, policy, budget_cfg, cfg) as session:
-        buf = np.empty((chunk, n_vocab), dtype=np.float32)
-        # chunk by chunk through the session (it evicts between chunks to hold the budget), not
-        # Context.prefill_chunks (no eviction); the last token is not decoded (it has no target)
-        for i in range(0, n_in, chunk):
-            part = tokens[i:min(i + chunk, n_in)]
-            k = len(part)
-            want = i + k > start
-            session.decode_chunk(part, logits_all=want, logits_last=True)
-            if not want:
-                continue
-            j0 = max(0, start - i)  # first evaluated row of this chunk
-            for j in range(j0, k):
-                buf[j - j0] = session.logits(j)
-            logp = log_softmax(buf[: k - j0])
-            positions = np.arange(i + j0, i + k, dtype=np.int64)
-            if on_chunk is not None:
-                on_chunk(positions, logp)
-            else:
-                out[i + j0 - start: i + k - start] = logp
-        st = session.stats()
-        res = PassResult(policy=policy_name, kv_budget=budget_cfg.kv_budget, flash_attn=bool(flash_attn),
-                         eval_start=start, n_eval=n_eval, seconds=time.perf_counter() - t0,
-                         decode_seconds=st.decode_seconds, n_evicted=st.n_evicted,
-                         max_live=st.max_live, logp=out, kv_bytes=st.kv_bytes,
-                         positions=np.arange(start, start + n_eval, dtype=np.int64))
-    return res
-
-
-def reference_pass(model: Model, tokens: list[int], chunk: int, flash_attn: bool, eval_start: int,
-                   n_threads: int | None = None) -> PassResult:
-    """The full-cache reference: policy ``none`` with ``kv_budget = len(tokens)``, log-probs kept."""
-    budget = BudgetConfig(kv_budget=len(tokens), n_sink=0, n_recent=0, protect_prompt=False)
-    return teacher_forced_pass(model, tokens, "none", budget, chunk, flash_attn, n_threads=n_threads,
-                               eval_start=eval_start)
 
 
 def local_window_nll(model: Model, tokens: list[int], window: int, eval_start: int, eval_end: int | None = None,
@@ -311,36 +228,75 @@ def key_positions_of(ref: PassResult, tokens: list[int], window_nll: np.ndarray,
     return pos[lr.key_token_mask(nll_full, window_nll, threshold)]
 
 
-def compare_pass(model: Model, tokens: list[int], ref: PassResult, policy_name: "str | PolicySpec",
-                 budget_cfg: BudgetConfig,
-                 chunk: int, n_threads: int | None = None, eval_start: int | None = None, type_k: str = "f16",
-                 type_v: str = "f16", spans: TraceSpans | None = None, keep_positions: bool = False) -> dict:
-    """Run one evicted pass streamed against ``ref`` (same chunk and flash-attention setting); per-trace row.
+@dataclass
+class CompareJob:
+    """One evicted pass to compare with its trace's full-cache reference ``ref`` (same chunk and flash-attention
+    setting). spans: with an appended answer, ``tokens`` is trace + suffix and ``spans.n_trace`` the trace's
+    length (the all-token metrics and ``n_tokens`` stay the trace's); adds the key-token and answer-span
+    fields. eval_start: default ``budget.kv_budget``."""
 
-    spans: with an appended answer, ``tokens`` is trace + suffix and ``spans.n_trace`` the trace's length (the
-    all-token metrics and ``n_tokens`` stay the trace's); adds the key-token and answer-span fields.
-    keep_positions: add ``_per_position`` ({"positions", metric: (M,)} over the trace's evaluated positions;
-    not JSON: callers pop it).
+    tokens: list[int]
+    ref: PassResult
+    budget: BudgetConfig
+    spans: TraceSpans | None = None
+    eval_start: int | None = None
+
+
+def compare_passes(model: Model, policy_name: "str | PolicySpec | Policy", jobs: list[CompareJob], chunk: int,
+                   n_threads: int | None = None, type_k: str = "f16", type_v: str = "f16",
+                   keep_positions: bool = False, n_parallel: int = 1) -> list[dict]:
+    """Run the evicted passes of ``jobs`` (one policy configuration, each pass a fresh instance), each streamed
+    against its reference; one per-trace row per job, in order.
+
+    n_parallel: passes decoded together as sequences of one context (:func:`.passes.run_passes`); the jobs must
+    then share one flash-attention setting. keep_positions: add ``_per_position`` ({"positions", metric: (M,)}
+    over the trace's evaluated positions; not JSON: callers pop it).
     """
-    start = budget_cfg.kv_budget if eval_start is None else eval_start
-    if start < ref.eval_start:
-        raise ConfigError(f"reference starts at {ref.eval_start}, after the evaluated start {start}")
-    n_trace = len(tokens) if spans is None else spans.n_trace
-    cmp = StreamingComparison(ref.logp, ref.eval_start, tokens, limit=n_trace - 1)
-    res = teacher_forced_pass(model, tokens, policy_name, budget_cfg, chunk, ref.flash_attn, n_threads=n_threads,
-                              eval_start=start, on_chunk=cmp, type_k=type_k, type_v=type_v)
-    row = {"policy": policy_spec(policy_name).name, "kv_budget": budget_cfg.kv_budget, "flash_attn": ref.flash_attn,
+    if not jobs:
+        return []
+    fa = {j.ref.flash_attn for j in jobs}
+    if len(fa) > 1:
+        raise ConfigError("the passes compared together need references of one flash-attention setting")
+    pass_jobs, cmps = [], []
+    for j in jobs:
+        start = j.budget.kv_budget if j.eval_start is None else j.eval_start
+        if start < j.ref.eval_start:
+            raise ConfigError(f"reference starts at {j.ref.eval_start}, after the evaluated start {start}")
+        n_trace = len(j.tokens) if j.spans is None else j.spans.n_trace
+        cmp = StreamingComparison(j.ref.logp, j.ref.eval_start, j.tokens, limit=n_trace - 1)
+        cmps.append(cmp)
+        pass_jobs.append(PassJob(list(j.tokens), j.budget, start, on_chunk=cmp))
+    results = run_passes(model, policy_name, pass_jobs, chunk, fa.pop(), n_threads=n_threads,
+                         n_parallel=n_parallel, type_k=type_k, type_v=type_v)
+    name = policy_name.name if isinstance(policy_name, Policy) else policy_spec(policy_name).name
+    return [_row(name, j, pj.start, cmp, res, type_k, type_v, keep_positions)
+            for j, pj, cmp, res in zip(jobs, pass_jobs, cmps, results)]
+
+
+def _row(name: str, job: CompareJob, start: int, cmp: StreamingComparison, res: PassResult, type_k: str,
+         type_v: str, keep_positions: bool) -> dict:
+    n_trace = len(job.tokens) if job.spans is None else job.spans.n_trace
+    row = {"policy": name, "kv_budget": job.budget.kv_budget, "flash_attn": job.ref.flash_attn,
            "n_tokens": n_trace, "eval_start": start, "n_eval": cmp.n, "type_k": type_k, "type_v": type_v,
            "kv_bytes": res.kv_bytes}
     row.update(cmp.means())
     row.update({"n_evicted": res.n_evicted, "max_live": res.max_live, "seconds": round(res.seconds, 3),
-                "decode_seconds": round(res.decode_seconds, 3), "ref_seconds": round(ref.seconds, 3)})
-    if spans is not None:
-        row.update(spans.fields(cmp, start))
+                "decode_seconds": round(res.decode_seconds, 3), "ref_seconds": round(job.ref.seconds, 3)})
+    if job.spans is not None:
+        row.update(job.spans.fields(cmp, start))
     if keep_positions:
         pos = np.arange(start, n_trace - 1, dtype=np.int64)
         row["_per_position"] = {"positions": pos, **cmp.arrays(pos)}
     return row
+
+
+def compare_pass(model: Model, tokens: list[int], ref: PassResult, policy_name: "str | PolicySpec",
+                 budget_cfg: BudgetConfig,
+                 chunk: int, n_threads: int | None = None, eval_start: int | None = None, type_k: str = "f16",
+                 type_v: str = "f16", spans: TraceSpans | None = None, keep_positions: bool = False) -> dict:
+    """One evicted pass streamed against ``ref``: :func:`compare_passes` of one :class:`CompareJob`."""
+    return compare_passes(model, policy_name, [CompareJob(tokens, ref, budget_cfg, spans, eval_start)], chunk,
+                          n_threads=n_threads, type_k=type_k, type_v=type_v, keep_positions=keep_positions)[0]
 
 
 def evaluate_trace(model: Model, tokens: list[int], policies: "list[str | PolicySpec]", budgets: list[int],
@@ -350,7 +306,8 @@ def evaluate_trace(model: Model, tokens: list[int], policies: "list[str | Policy
                    progress: Callable[[str], None] | None = None, answer=None,
                    key_window: int | None = lr.KEY_WINDOW, key_threshold: float = lr.KEY_THRESHOLD,
                    window_nll: np.ndarray | None = None, keep_positions: bool = False,
-                   runs: "list[tuple[str | PolicySpec, int, float]] | None" = None) -> list[dict]:
+                   runs: "list[tuple[str | PolicySpec, int, float]] | None" = None,
+                   n_parallel: int = 1) -> list[dict]:
     """All policy x budget rows of one trace (budgets >= len(tokens) - 1 evaluate nothing and are skipped).
 
     runs: an explicit plan of (policy, budget, recent share) instead of ``policies`` x ``budgets`` at
@@ -363,7 +320,8 @@ def evaluate_trace(model: Model, tokens: list[int], policies: "list[str | Policy
     get the ``answer_*`` fields. key_window (None or 0: no key tokens) / key_threshold: the key-token setting;
     the local-window pass runs once, with the first reference's flash-attention setting, and its mask (from
     that reference) serves every pass. window_nll: that pass's result when already computed
-    ((len(tokens) - 1 - min(budgets),) positions ``min(budgets) ..``). keep_positions: see :func:`compare_pass`.
+    ((len(tokens) - 1 - min(budgets),) positions ``min(budgets) ..``). keep_positions: see :func:`compare_passes`.
+    n_parallel: one policy's budgets decoded together as sequences of one context (:func:`compare_passes`).
     """
     if runs is None:
         runs = [(name, b, recent_fraction) for name in policies for b in budgets]
@@ -395,19 +353,26 @@ def evaluate_trace(model: Model, tokens: list[int], policies: "list[str | Policy
             if progress:
                 progress(f"local window {key_window}: {len(spans.key_positions)} key positions of "
                          f"{n_trace - 1 - ref.eval_start} ({spans.window_seconds:.1f}s)")
-        for name, b, rf in groups[fa]:
-            budget = BudgetConfig(kv_budget=b, n_sink=n_sink, recent_fraction=rf, protect_prompt=False)
-            row = compare_pass(model, full, ref, name, budget, chunk, n_threads=n_threads, spans=spans,
-                               keep_positions=keep_positions)
-            row.update({"chunk": chunk, "n_sink": n_sink, "n_recent": budget.recent_window,
-                        "recent_fraction": rf})
-            rows.append(row)
-            if progress:
-                extra = "".join(f" {lab}={row[k]:+.4f}" for lab, k in (("key", "key_delta_nll"),
-                                                                       ("ans", "answer_delta_nll"))
-                                if row.get(k) is not None)
-                progress(f"{policy_spec(name).name} @ {b}: dNLL={row['delta_nll']:+.4f} top1={row['top1_agreement']:.3f} "
-                         f"KL={row['kl']:.4f}{extra} ({row['seconds']:.1f}s)")
+        by_policy: dict[str, list[int]] = {}  # one policy's runs decode together; rows keep the plan's order
+        for i, run in enumerate(groups[fa]):
+            by_policy.setdefault(policy_spec(run[0]).name, []).append(i)
+        got: dict[int, dict] = {}
+        for idx in by_policy.values():
+            plan = [groups[fa][i] for i in idx]
+            cfgs = [BudgetConfig(kv_budget=b, n_sink=n_sink, recent_fraction=rf, protect_prompt=False)
+                    for _, b, rf in plan]
+            out = compare_passes(model, plan[0][0], [CompareJob(full, ref, bc, spans) for bc in cfgs], chunk,
+                                 n_threads=n_threads, keep_positions=keep_positions, n_parallel=n_parallel)
+            for i, (name, b, rf), bc, row in zip(idx, plan, cfgs, out):
+                row.update({"chunk": chunk, "n_sink": n_sink, "n_recent": bc.recent_window, "recent_fraction": rf})
+                got[i] = row
+                if progress:
+                    extra = "".join(f" {lab}={row[k]:+.4f}" for lab, k in (("key", "key_delta_nll"),
+                                                                           ("ans", "answer_delta_nll"))
+                                    if row.get(k) is not None)
+                    progress(f"{policy_spec(name).name} @ {b}: dNLL={row['delta_nll']:+.4f} "
+                             f"top1={row['top1_agreement']:.3f} KL={row['kl']:.4f}{extra} ({row['seconds']:.1f}s)")
+        rows.extend(got[i] for i in range(len(groups[fa])))
         del ref
     return rows
 

@@ -41,7 +41,7 @@ from ..policies import PolicySpec, policy_spec
 from ..policies.rope import check_invertible, to_complex
 from ..policies.triattention import QueryStats
 from . import longrange as lr
-from .fidelity import TraceSpans, compare_pass, key_positions_of, local_window_nll
+from .fidelity import CompareJob, TraceSpans, compare_passes, key_positions_of, local_window_nll
 from .progress import progress_bar
 
 #: standard errors by which a candidate's paired dev advantage over StreamingLLM must exceed 0 (guarded_choice)
@@ -96,7 +96,8 @@ def _unique(out: list[tuple[str, dict, float]]) -> list[tuple[str, tuple, float]
 
 def select_policy(model: Model, traces: list[tuple[str, list[int]]], refs: list, budgets: list[int],
                   chunk: int, n_sink: int, epikv: dict, recent: float, query_stats: str | None,
-                  n_threads: int | None = None, log: Callable[[str], None] | None = None, fast: bool = False) -> dict:
+                  n_threads: int | None = None, log: Callable[[str], None] | None = None, fast: bool = False,
+                  n_parallel: int = 1) -> dict:
     """Evaluate :func:`candidates` on ``traces`` (full-cache references ``refs``, flash attention on) and
     return {"objective", "chosen", "by_budget", "candidates", "seconds"}.
 
@@ -105,6 +106,7 @@ def select_policy(model: Model, traces: list[tuple[str, list[int]]], refs: list,
     [{"kv_budget", "policy", "options", "recent_fraction", "delta_nll", "key_delta_nll", "objective"}] sorted
     by budget: the best signal changes with the budget (a tight cache needs recency, a roomy one can afford
     scored tokens), so the calibrated policy follows it (:meth:`CalibrationResult.selected_for`).
+    n_parallel: a candidate's traces x budgets decoded together as sequences of one context.
     """
     log = log or (lambda m: None)
     t0 = time.perf_counter()
@@ -125,16 +127,17 @@ def select_policy(model: Model, traces: list[tuple[str, list[int]]], refs: list,
             vals: dict[int, list[float]] = {b: [] for b in budgets}
             keys: dict[int, list[float]] = {b: [] for b in budgets}
             per_trace: dict[int, list[float]] = {b: [] for b in budgets}  # each trace's objective
-            for (tid, toks), ref, sp in zip(traces, refs, spans):
-                for b in budgets:
-                    bc = BudgetConfig(kv_budget=b, n_sink=n_sink, recent_fraction=rf, protect_prompt=False)
-                    row = compare_pass(model, toks, ref, spec, bc, chunk, n_threads=n_threads, spans=sp)
-                    vals[b].append(row["delta_nll"])
-                    k = row.get("key_delta_nll")
-                    if k is not None:
-                        keys[b].append(k)
-                    per_trace[b].append(_objective([row["delta_nll"]], [] if k is None else [k])["objective"])
-                    bar.update(1)
+            plan = [(toks, ref, sp, b) for (_, toks), ref, sp in zip(traces, refs, spans) for b in budgets]
+            rows = compare_passes(model, spec, [CompareJob(toks, ref, BudgetConfig(
+                kv_budget=b, n_sink=n_sink, recent_fraction=rf, protect_prompt=False), sp) for toks, ref, sp, b in plan],
+                chunk, n_threads=n_threads, n_parallel=n_parallel)
+            for (_, _, _, b), row in zip(plan, rows):
+                vals[b].append(row["delta_nll"])
+                k = row.get("key_delta_nll")
+                if k is not None:
+                    keys[b].append(k)
+                per_trace[b].append(_objective([row["delta_nll"]], [] if k is None else [k])["objective"])
+            bar.update(len(plan))
             per_budget = {b: {**_objective(vals[b], keys[b]), "per_trace": per_trace[b]} for b in budgets}
             r = {"policy": name, "options": _jsonable(opts), "recent_fraction": rf,
                  **_objective([v for b in budgets for v in vals[b]], [k for b in budgets for k in keys[b]]),

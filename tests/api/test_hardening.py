@@ -277,3 +277,10 @@ def test_busy_session_numbers_stay_sane(model):
         generate(s, model.tokenize("Count to one hundred:"), 120, SamplingConfig(), ignore_eog=True)
         cells = s.ctx.cell_positions()
         assert np.array_equal(np.sort(cells[cells >= 0]), s.live_positions())
+
+
+def test_calibrate_refuses_a_bad_parallel_count(model_path, tmp_path):
+    cal = tmp_path / "cal.json"
+    for bad in ("0", "65", "-2"):
+        one_line(cli("calibrate", "--model", model_path, "--quick", "--parallel", bad, "--out", cal), "--parallel")
+    assert not cal.exists()

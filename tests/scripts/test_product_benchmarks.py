@@ -220,3 +220,21 @@ def test_bench_prefill_rows_measures_the_three_ways_and_refuses_bad_counts(tmp_p
     assert 1 <= run["four_seqs_rounds"] <= 4 and run["four_seqs_shared_rounds"] <= run["four_seqs_rounds"]
     r = subprocess.run([sys.executable, script, "--rows", "0"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--rows" in r.stderr, r.stderr
+
+
+def test_bench_parallel_passes_compares_pooled_with_one_at_a_time_and_refuses_bad_input(tmp_path):
+    script = str(REPO / "scripts" / "bench_parallel_passes.py")
+    out = tmp_path / "passes.json"
+    r = subprocess.run([sys.executable, script, "--tokens", "96", "--budgets", "32,48", "--n-traces", "2",
+                        "--parallel", "4", "--repeats", "1", "--threads", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]
+    assert run["4"]["references_identical"] is True and run["4"]["same_evictions"] is True
+    assert 0 <= run["4"]["max_abs_diff_delta_nll"] < 0.05 and run["4"]["unit_s"] > 0
+    assert doc["summary"]["4"]["unit_speedup_median"] == run["4"]["unit_ratio"]
+    for bad, needle in ((["--repeats", "0"], "--repeats"), (["--budgets", "x"], "comma-separated"),
+                        (["--budgets", "900"], "budgets")):
+        r = subprocess.run([sys.executable, script] + bad, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
