@@ -253,6 +253,12 @@ class SequencePool(Closing):
             stack.close()
 
     # -- rounds -------------------------------------------------------------------------------------------
+    def wake(self) -> None:
+        """A sequence stopped generating or was cancelled: a round's leader gathering the generating sequences'
+        parts re-checks now instead of at the end of its wait (``gather_s``)."""
+        with self._cond:
+            self._cond.notify_all()
+
     @contextlib.contextmanager
     def quiet(self):
         """Hold the pool with no round in flight (for reading logits, sampling or changing a sequence's cells

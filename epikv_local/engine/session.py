@@ -161,6 +161,7 @@ class Session(Closing):
         if getattr(self, "_owner", None) == threading.get_ident():
             raise NativeError("cannot close the session from inside one of its own calls")
         self._cancel.set()  # a generation running in another thread stops at its next step
+        self.pool.wake()  # and a round's leader gathering its next part need not wait for it
         with self._lock:  # waits for the session call in flight (one decode or sample) to finish
             if self._closed:
                 return
@@ -205,6 +206,7 @@ class Session(Closing):
             yield self
         finally:
             self._generating = False
+            self.pool.wake()  # a round's leader waiting for this generation's next part need not wait any more
 
     @property
     def generating(self) -> bool:
@@ -216,6 +218,7 @@ class Session(Closing):
         of at most ``n_batch`` tokens or its next sample, so a long prefill stops within one ubatch. No effect
         when none runs (the next generation clears it)."""
         self._cancel.set()
+        self.pool.wake()
 
     def _check_cancelled(self) -> None:
         if self._cancel.is_set():

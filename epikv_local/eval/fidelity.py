@@ -353,11 +353,18 @@ def evaluate_trace(model: Model, tokens: list[int], policies: "list[str | Policy
             if progress:
                 progress(f"local window {key_window}: {len(spans.key_positions)} key positions of "
                          f"{n_trace - 1 - ref.eval_start} ({spans.window_seconds:.1f}s)")
-        by_policy: dict[str, list[int]] = {}  # one policy's runs decode together; rows keep the plan's order
+        # one policy setting's runs decode together (grouped by the whole spec: a plan may give one name other
+        # classes or options per budget, as the calibrated choice does); rows keep the plan's order
+        by_policy: list[tuple[PolicySpec, list[int]]] = []
         for i, run in enumerate(groups[fa]):
-            by_policy.setdefault(policy_spec(run[0]).name, []).append(i)
+            spec = policy_spec(run[0])
+            same = next((idx for sp, idx in by_policy if sp == spec), None)
+            if same is None:
+                by_policy.append((spec, [i]))
+            else:
+                same.append(i)
         got: dict[int, dict] = {}
-        for idx in by_policy.values():
+        for _, idx in by_policy:
             plan = [groups[fa][i] for i in idx]
             cfgs = [BudgetConfig(kv_budget=b, n_sink=n_sink, recent_fraction=rf, protect_prompt=False)
                     for _, b, rf in plan]

@@ -210,21 +210,31 @@ def _wave(pool: SequencePool, wave: list[PassJob], chunk: int, flash_attn: bool,
 
         threads = [threading.Thread(target=work, args=(i,), name=f"epikv-pass-{i}", daemon=True)
                    for i in range(len(wave))]
-        for t in threads:
-            t.start()
         try:
+            for t in threads:
+                t.start()
             for t in threads:
                 while t.is_alive():
                     t.join(0.1)
-        except BaseException:  # Ctrl-C: stop every pass at its next chunk, let the threads end, then re-raise
+        except BaseException:  # Ctrl-C: stop every pass at its next chunk, wait for the threads, then re-raise
             for s in sessions:
                 s.cancel()
-            for t in threads:
-                t.join()
+            _join_through_interrupts([t for t in threads if t.ident is not None])
             raise
     if errors:
         raise errors[0]
     return out  # type: ignore[return-value]
+
+
+def _join_through_interrupts(threads: list[threading.Thread]) -> None:
+    """Wait for ``threads`` to end even through further Ctrl-Cs: the sessions they feed are closed after this,
+    and a thread still reading logits then would read freed memory."""
+    for t in threads:
+        while t.is_alive():
+            try:
+                t.join(0.1)
+            except KeyboardInterrupt:
+                pass
 
 
 def teacher_forced_pass(model: Model, tokens: list[int], policy_name: "str | Policy", budget_cfg: BudgetConfig,

@@ -201,3 +201,39 @@ def test_property_random_arrivals_departures_budgets_forks(model, script):
         for s in live:
             s.close()
         pool.close()
+
+
+@pytest.mark.parametrize("how", ["ends", "cancelled"])
+def test_a_generation_that_stops_releases_a_leader_gathering_for_it(model, how):
+    """A round's leader waits for every generating sequence's part (gather_s: here an hour); a generation that
+    ends or is cancelled without posting must let it decode at once (SequencePool.wake), not after the hour."""
+    toks = model.tokenize(TEXTS[0])
+    with SequencePool(model, make_policy("streaming"), BudgetConfig(kv_budget=64), CFG, n_seq=2,
+                      gather_s=3600.0) as pool:
+        a, b = pool.open(), pool.open()
+        done = threading.Event()
+
+        def run():
+            with a.generation():
+                a.feed(toks, is_prompt=True)
+            done.set()
+
+        with b.generation():
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            for _ in range(6000):  # until a's part waits for b's (the leader is gathering)
+                with pool._cond:
+                    if pool._pending and not pool._busy:
+                        break
+                t.join(0.01)
+            else:
+                pytest.fail("the first sequence's prompt never waited for the second's")
+            assert not done.is_set()
+            if how == "cancelled":
+                b.cancel()
+                t.join(120)
+                assert done.is_set()
+        t.join(120)
+        assert done.is_set() and a.n_past == len(toks)
+        a.close()
+        b.close()

@@ -3,6 +3,7 @@ layout allows, reproducible where it does not, the same evictions, errors that s
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +59,10 @@ def test_pooled_passes_evict_the_same_and_stay_close_and_reproducible(model, tra
         # f16 rounding of attention over cells in another physical order (docs/parallel.md): close, not equal
         # (measured here: |difference| <= 0.015 nats in ΔNLL and KL, position means over ~150 positions)
         assert abs(p["delta_nll"] - a["delta_nll"]) < 0.03 and abs(p["kl"] - a["kl"]) < 0.03
+        # the same rounds, the same bits: every round waits for every running pass (up to PASS_GATHER_S = 10 s
+        # of a pass's own work between two chunks, which takes milliseconds here)
         assert {k: p[k] for k in ("delta_nll", "kl", "top1_agreement")} == \
-               {k: q[k] for k in ("delta_nll", "kl", "top1_agreement")}  # the same rounds: the same bits
+               {k: q[k] for k in ("delta_nll", "kl", "top1_agreement")}
 
 
 def test_a_budget_above_the_trace_in_a_pool_equals_the_reference(model, traces, refs):
@@ -95,6 +98,7 @@ def test_an_error_in_one_pass_stops_the_others_and_is_raised(model, traces):
     with pytest.raises(ValueError, match="bad chunk"):
         run_passes(model, "streaming", jobs, 16, True, n_threads=2, n_parallel=3)
     assert calls == [16]
+    assert not [t for t in threading.enumerate() if t.name.startswith("epikv-pass-")]  # no pass left running
     # the pool is gone, the model serves a new pass
     got = run_passes(model, "streaming", jobs[1:2], 16, True, n_threads=2)
     assert got[0].n_eval == N_TOKENS - 1 - 64
@@ -104,6 +108,27 @@ def test_evaluate_trace_keeps_the_plan_order_in_parallel(model, traces):
     runs = [("streaming", 48, 0.5), ("epikv", 96, 0.5), ("streaming", 96, 0.5)]
     rows = evaluate_trace(model, traces[0], [], [], key_window=None, runs=runs, n_threads=2, n_parallel=2)
     assert [(r["policy"], r["kv_budget"]) for r in rows] == [("streaming", 48), ("epikv", 96), ("streaming", 96)]
+
+
+@pytest.mark.parametrize("n_parallel", [1, 2])
+def test_evaluate_trace_runs_each_spec_of_a_shared_name_as_itself(model, traces, n_parallel):
+    """A plan may give one name other classes per budget (the calibrated choice): each run is its own spec."""
+    from epikv_local.eval.fidelity import compare_pass
+    from epikv_local.eval.passes import reference_pass
+    from epikv_local.policies import PolicySpec, policy_spec
+
+    a = PolicySpec("mine", policy_spec("streaming").cls, {})
+    b = PolicySpec("mine", policy_spec("random").cls, {"seed": 3})
+    rows = evaluate_trace(model, traces[0], [], [], key_window=None, runs=[(a, 48, 0.5), (b, 48, 0.5)],
+                          n_threads=2, n_parallel=n_parallel)
+    ref = reference_pass(model, traces[0], 16, True, eval_start=48, n_threads=2)
+    for spec, row in zip((a, b), rows):
+        alone = compare_pass(model, traces[0], ref, spec, BudgetConfig(kv_budget=48, protect_prompt=False), 16,
+                             n_threads=2)
+        assert row["n_evicted"] == alone["n_evicted"]
+        if n_parallel == 1:
+            assert row["delta_nll"] == alone["delta_nll"]
+    assert rows[0]["delta_nll"] != rows[1]["delta_nll"]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
