@@ -8,11 +8,12 @@ evicts within its own budget and gets its own captured rows and logits. That is 
 decoding (``serve --parallel``), used by the harness: fidelity passes, the calibration grid and its signal
 choice (:mod:`.fidelity`, :mod:`.calibrate`, :mod:`.signals`).
 
-What it changes in the numbers: without eviction nothing (the rows of one sequence are computed as alone:
-bit-identical log-probs, tested). With eviction the evictions are the same (a deterministic policy) but a
-sequence's cells sit in another physical order, and llama.cpp's CPU flash attention rounds by that order
-(docs/parallel.md, "Batch invariance"), so log-probs differ at the level of f16 rounding in attention; the
-size of that on a ΔNLL is measured in docs/calibration.md ("Parallel passes").
+What it changes in the numbers: the evictions are the same (a deterministic policy) and a pooled run gives the
+same bits on every repeat, but not always the bits of the passes alone. Without eviction they were identical on
+SmolLM2 (tested); on a Q4_K model the CPU backend's matrix kernels treat a row by its place in the batch (mean
+|Δ log p| 0.00026 on Qwen2.5-Coder-0.5B). With eviction a sequence's cells sit in another physical order, and
+llama.cpp's CPU flash attention rounds by that order (docs/parallel.md, "Batch invariance"). The size of both
+on a ΔNLL is measured in docs/calibration.md ("Parallel passes").
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def run_passes(model: Model, policy: "str | Policy", jobs: list[PassJob], chunk:
     if not jobs:
         return []
     proto = _fresh(policy)
-    k = min(n_parallel, len(jobs))
+    waves = -(-len(jobs) // n_parallel)
+    k = -(-len(jobs) // waves)  # as many waves as n_parallel needs, evenly filled: 4 jobs at 3 run as 2 + 2
     if k == 1 or proto.needs_attention:
         return [_alone(model, proto if i == 0 else _fresh(policy), job, chunk, flash_attn, n_threads, type_k,
                        type_v) for i, job in enumerate(jobs)]
@@ -174,9 +176,10 @@ def _alone(model, policy: Policy, job: PassJob, chunk, flash_attn, n_threads, ty
 
 def _pooled(model, proto: Policy, jobs: list[PassJob], chunk, flash_attn, n_threads, k, type_k,
             type_v) -> list[PassResult]:
-    """The jobs in waves of ``k``: job i of a wave in sequence i, each fed from a thread of its own. Every pass of
-    a wave is generating before any decodes and a round waits for every generating pass, so each round carries
-    the same parts in the same order (by sequence id) from one run to the next: the results are reproducible."""
+    """The jobs in waves of ``k`` (the last may be smaller): job i of a wave in sequence i, each fed from a thread
+    of its own. Every pass of a wave is generating before any decodes and a round waits for every generating
+    pass, so each round carries the same parts in the same order (by sequence id) from one run to the next: the
+    results are reproducible."""
     cfg = SessionConfig(n_batch=chunk * k, n_threads=n_threads, flash_attn=flash_attn, verify_flash_attn=True,
                         type_k=type_k, type_v=type_v)
     widest = BudgetConfig(kv_budget=max(j.budget.kv_budget for j in jobs))

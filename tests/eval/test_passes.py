@@ -50,7 +50,7 @@ def _jobs(traces, refs, budgets=(48, 96)):
 def test_pooled_passes_evict_the_same_and_stay_close_and_reproducible(model, traces, refs):
     jobs = _jobs(traces, refs)
     alone = compare_passes(model, "streaming", jobs, 16, n_threads=2)
-    pooled = compare_passes(model, "streaming", jobs, 16, n_threads=2, n_parallel=4)  # two waves: 4 + 2
+    pooled = compare_passes(model, "streaming", jobs, 16, n_threads=2, n_parallel=4)  # two waves, evenly filled: 3 + 3
     again = compare_passes(model, "streaming", jobs, 16, n_threads=2, n_parallel=4)
     assert [r["kv_budget"] for r in pooled] == [48, 96] * 3
     for a, p, q in zip(alone, pooled, again):
