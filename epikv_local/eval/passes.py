@@ -86,6 +86,13 @@ class PassJob:
         return max(0, len(self.tokens) - 1 - self.start)
 
 
+def _check(jobs: list[PassJob], chunk: int) -> None:
+    if chunk < 1:
+        raise ConfigError(f"chunk must be >= 1, got {chunk}")
+    if any(len(job.tokens) < 2 for job in jobs):
+        raise ConfigError("a trace needs at least 2 tokens")
+
+
 def _fresh(policy: "str | Policy") -> Policy:
     """A new, unbound policy instance (a name or spec made; an instance copied, never shared between passes)."""
     return copy.deepcopy(policy) if isinstance(policy, Policy) else make_policy(policy)
@@ -147,13 +154,9 @@ def run_passes(model: Model, policy: "str | Policy", jobs: list[PassJob], chunk:
     another). Policies that read the attention matrix see the whole decode, so they always run one at a time.
     type_k / type_v: KV cache element types (quantized caches compared with an f16 reference).
     """
-    if chunk < 1:
-        raise ConfigError(f"chunk must be >= 1, got {chunk}")
+    _check(jobs, chunk)
     if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
         raise ConfigError(f"n_parallel must be an integer >= 1, got {n_parallel!r}")
-    for job in jobs:
-        if len(job.tokens) < 2:
-            raise ConfigError("a trace needs at least 2 tokens")
     if not jobs:
         return []
     proto = _fresh(policy)
@@ -249,10 +252,7 @@ def teacher_forced_pass(model: Model, tokens: list[int], policy_name: "str | Pol
     ``budget_cfg.kv_budget``); chunks before it are decoded without all-row logits. ``policy_name``: a name,
     spec or instance (an instance is used as it is)."""
     job = PassJob(list(tokens), budget_cfg, eval_start, on_chunk)
-    if len(job.tokens) < 2:
-        raise ConfigError("a trace needs at least 2 tokens")
-    if chunk < 1:
-        raise ConfigError(f"chunk must be >= 1, got {chunk}")
+    _check([job], chunk)
     policy = policy_name if isinstance(policy_name, Policy) else make_policy(policy_name)
     return _alone(model, policy, job, chunk, flash_attn, n_threads, type_k, type_v)
 
