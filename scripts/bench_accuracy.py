@@ -175,10 +175,14 @@ def merge(args) -> int:
         ref = f"streaming@{s['budget']}/{s['prompt']}"
         s["vs_streaming"] = compare(name, ref) if s["budget"] is not None and name != ref and ref in by else None
     where = records.resolve()
+    split = rows[0].get("split") if rows else None
     doc = {**provenance("bench_accuracy.py", None),
            **{k: rows[0].get(k) for k in ("model", "task", "split", "max_tokens")},
            "records": str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else records.name,
            "settings": summary}
+    if split == "dev":  # budgets are chosen on dev only; test records report them
+        doc["budget_choice"] = {prompt: choose_budgets(streaming_losses(by, prompt))
+                                for prompt in sorted({s["prompt"] for s in summary.values()})}
     save_json(args.out, doc)
     def cell(c: dict | None) -> str:
         return f"{c['difference']:+.1%} ({c['p']:.2f})" if c else "-"
@@ -187,7 +191,51 @@ def merge(args) -> int:
     for name, s in summary.items():
         print(f"{name:32} {s['n']:4d} {s['accuracy']:6.1%} {s['mean_generated']:6.0f} {s['looping_share']:5.0%} "
               f"{cell(s['vs_full']):>16} {cell(s['vs_streaming']):>18}")
+    for prompt, c in doc.get("budget_choice", {}).items():
+        if c["chosen"]:
+            print(f"budgets chosen on dev ({prompt} prompt): " + ", ".join(
+                f"{b} ({label}: StreamingLLM loses {c['loss_share'][str(b)]:.0%})"
+                for b, label in zip(c["chosen"], ("most", "middle", "a little"))))
+        else:
+            print(f"budgets chosen on dev ({prompt} prompt): none ({c['why']})")
     return 0
+
+
+#: StreamingLLM's share of the full cache's right answers lost at the smallest, middle and largest chosen budget
+#: ("between a little and most of the full-cache accuracy", issue 21)
+LOSS_TARGETS = (0.75, 0.5, 0.25)
+
+
+def streaming_losses(by: dict[str, dict[str, dict]], prompt: str) -> dict[int, float]:
+    """{budget: share of the full cache's right answers that StreamingLLM at that budget gets wrong}, paired on
+    the problems both settings answered, for one prompt mode (the full cache is the same run for both modes)."""
+    full = next((recs for name, recs in by.items() if name.startswith("full/")), None)
+    out = {}
+    for name, recs in by.items():
+        if not name.startswith("streaming@") or not name.endswith(f"/{prompt}") or full is None:
+            continue
+        right = [i for i in full if full[i]["correct"] and i in recs]
+        if right:
+            out[int(name.split("@")[1].split("/")[0])] = sum(not recs[i]["correct"] for i in right) / len(right)
+    return out
+
+
+def choose_budgets(losses: dict[int, float]) -> dict:
+    """The three budgets whose StreamingLLM losses lie nearest :data:`LOSS_TARGETS` (smallest budget ~ most lost),
+    by least squares over every ascending triple of the budgets run (ties: the first triple in ascending order).
+
+    Returns {"chosen": [b1, b2, b3] ascending or [], "loss_share": {str(budget): share}, "targets", "why"}.
+    """
+    budgets = sorted(losses)
+    best, why = None, ""
+    if len(budgets) < 3:
+        why = f"StreamingLLM ran at {len(budgets)} budget(s) with a full-cache run beside it; 3 are needed"
+    else:
+        from itertools import combinations
+        best = min(combinations(budgets, 3),
+                   key=lambda t: sum((losses[b] - goal) ** 2 for b, goal in zip(t, LOSS_TARGETS)))
+    return {"chosen": list(best) if best else [], "loss_share": {str(b): losses[b] for b in budgets},
+            "targets": list(LOSS_TARGETS), "why": why}
 
 
 def parser() -> ArgParser:

@@ -91,6 +91,38 @@ def test_accuracy_bench_runs_resumes_and_merges(tmp_path):
         inside.unlink(missing_ok=True)
 
 
+def test_accuracy_merge_chooses_three_budgets_on_dev_records(tmp_path):
+    """On dev records, --merge picks the ascending budget triple whose StreamingLLM losses (share of the full
+    cache's right answers lost) lie nearest 75 % / 50 % / 25 %; on test records it chooses nothing."""
+    base = {"model": "m.gguf", "task": "gsm8k", "max_tokens": 48, "empty": False, "looping": False,
+            "n_generated": 10, "n_evicted": 0, "finish_reason": "stop", "prompt": "counted"}
+    # right answers among p0..p9 (each setting gets its first n right); the full cache gets p0..p7, so
+    # StreamingLLM loses 8/8, 7/8, 6/8, 4/8, 2/8, 2/8, 1/8, 0/8 at 60 ... 400 cells
+    right_of = {None: 8, 60: 0, 80: 1, 100: 2, 150: 4, 200: 6, 250: 6, 300: 7, 400: 8}
+
+    def rows(split):
+        for budget, n_right in right_of.items():
+            name = "full/counted" if budget is None else f"streaming@{budget}/counted"
+            for i in range(10):
+                yield {**base, "split": split, "setting": name, "policy": "none" if budget is None else "streaming",
+                       "budget": budget, "id": f"p{i}", "correct": i < n_right}
+
+    for split, chosen in (("dev", [100, 150, 200]), ("test", None)):  # (100, 150, 250) ties: the first
+        records, out = tmp_path / f"{split}.jsonl", tmp_path / f"{split}.json"
+        records.write_text("".join(json.dumps(r) + "\n" for r in rows(split)))
+        d = run("bench_accuracy.py", "--merge", "--records", records, "--out", out)
+        if chosen is None:
+            assert "budget_choice" not in d
+            continue
+        c = d["budget_choice"]["counted"]
+        assert c["chosen"] == chosen
+        assert c["loss_share"] == {"60": 1.0, "80": 7 / 8, "100": 0.75, "150": 0.5, "200": 0.25, "250": 0.25,
+                                   "300": 1 / 8, "400": 0.0}
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows("dev") if r["budget"] in (None, 100, 150)))  # two budgets
+    d = run("bench_accuracy.py", "--merge", "--records", records, "--out", out)
+    assert d["budget_choice"]["counted"]["chosen"] == [] and "3 are needed" in d["budget_choice"]["counted"]["why"]
+
+
 def test_recall_bench_passkey_and_multiturn(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
