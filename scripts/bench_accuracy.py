@@ -10,6 +10,10 @@ default). Outcomes are appended to ``--records`` (JSONL, one line per setting an
 run can be stopped, resumed (done pairs are skipped) and split over machines; ``--merge`` summarises records:
 per setting accuracy, mean generated tokens, the share of empty and of looping outputs, evictions, and exact
 McNemar tests with paired-bootstrap CIs against ``full`` and against ``streaming`` at the same budget.
+``--calibration FILE`` adds ``epikv_calibrated`` (EPIKV with that calibration's layers, window and recent share)
+and, when it has step 3, ``calibrated`` (the policy it selected for each budget). On ``--split dev`` records
+``--merge`` also chooses the three budgets of the reported runs (``budget_choice``: where StreamingLLM loses
+nearest 75 %, 50 % and 25 % of the full cache's right answers).
 
     python scripts/bench_accuracy.py -m MODEL --task gsm8k --split test --limit 40 \\
         --policies streaming,epikv,keydiff --budgets 128,192 --records results/accuracy_gsm8k.jsonl
@@ -67,6 +71,21 @@ def settings_of(policies: list[str], budgets: list[int], with_full: bool) -> lis
     return out + [(f"{p}@{b}", p, b) for b in budgets for p in policies]
 
 
+def llama_policy(policy: str, budget: int | None, cal) -> dict:
+    """``Llama``'s policy arguments for a setting: a registered policy by name (a calibratable one takes the
+    model's cached calibration, as a user gets it), or a calibration's run with its settings given explicitly."""
+    from epikv_local.eval.specs import CALIBRATED, SELECTED
+
+    if policy == CALIBRATED:
+        return {"kv_policy": "epikv", "kv_policy_settings": cal.policy_options(),
+                "recent_fraction": cal.recent_fraction}
+    if policy == SELECTED:
+        sel = cal.selected_for(budget)
+        return {"kv_policy": sel["policy"], "kv_policy_settings": dict(sel["options"]),
+                "recent_fraction": sel["recent_fraction"]}
+    return {"kv_policy": policy}
+
+
 def check_same_run(rows: list[dict], config: dict, records: Path) -> None:
     """ConfigError when ``records`` holds outcomes of another configuration (model, task, max_tokens, ...):
     a resumed run must not mix them."""
@@ -99,15 +118,27 @@ def run(args) -> int:
     check_same_run(rows, config, records)
     done = {(r["setting"], r["id"]) for r in rows}
     protect = args.prompt == "protected"
-    for name, policy, budget in settings_of(args.policies, args.budgets, not args.no_full):
+    policies, cal, cal_name = list(args.policies), None, None
+    if args.calibration:
+        from epikv_local.eval.specs import CALIBRATED, SELECTED, load_calibration_arg
+
+        cal = load_calibration_arg(args.calibration, Path(model))
+        cal_name = Path(cal.path).name
+        policies += [x for x in [CALIBRATED] + ([SELECTED] if cal.selected is not None else [])
+                     if x not in policies]
+        for r in rows:  # a resumed run adds to the same calibration's outcomes only
+            if r.get("calibration") not in (None, cal_name):
+                raise ConfigError(f"{records} holds runs of calibration {r['calibration']!r}, not {cal_name!r}: "
+                                  "use another --records file")
+    for name, policy, budget in settings_of(policies, args.budgets, not args.no_full):
         todo = [p for p in problems if (f"{name}/{args.prompt}", p["id"]) not in done]
         if not todo:
             continue
         kv_budget = budget if budget is not None else args.full_budget
         log(f"{name} ({args.prompt} prompt): {len(todo)} problems")
-        with Llama(model_path=model, kv_budget=kv_budget, kv_policy=policy, protect_prompt=protect,
-                   n_threads=args.threads, seed=0, verbose=False,
-                   flash_attn=not policy_spec(policy).cls.needs_attention) as llm:
+        how = llama_policy(policy, budget, cal)
+        with Llama(model_path=model, kv_budget=kv_budget, protect_prompt=protect, n_threads=args.threads, seed=0,
+                   verbose=False, flash_attn=not policy_spec(how["kv_policy"]).cls.needs_attention, **how) as llm:
             for p in todo:
                 llm.reset()
                 t0 = time.perf_counter()
@@ -129,6 +160,10 @@ def run(args) -> int:
                        "finish_reason": finish, "n_evicted": ext["n_evicted"],
                        "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2),
                        "text": text if args.keep_text else None}
+                if "kv_policy_settings" in how:  # a calibration's run: which calibration and what it ran
+                    opts = {k: Path(v).name if k == "query_stats" else v  # no path of this machine
+                            for k, v in how["kv_policy_settings"].items()}
+                    rec.update(calibration=cal_name, ran={**how, "kv_policy_settings": opts})
                 append_record(records, rec)  # one whole line per outcome: resumable
                 log(f"  {p['id']}: {'right' if g.correct else 'wrong'} ({g.answer!r:.30} vs {p['gold']!r:.30}), "
                     f"{rec['n_generated']} tokens, {rec['n_evicted']} evicted, {rec['seconds']} s")
@@ -249,6 +284,8 @@ def parser() -> ArgParser:
     p.add_argument("--offset", type=int, default=0, help="skip the first N problems of the split")
     p.add_argument("--limit", type=int, default=None, help="at most N problems")
     p.add_argument("--policies", type=csv_of(str, "--policies"), default=["streaming", "epikv"])
+    p.add_argument("--calibration", help="also run 'epikv_calibrated' and (with step 3) 'calibrated' from this "
+                                         "calibration JSON ('auto': the model's cached calibration)")
     p.add_argument("--budgets", type=csv_of(int, "--budgets"), default=[192])
     p.add_argument("--prompt", choices=["protected", "counted"], default="protected",
                    help="protected: the prompt is kept outside the eviction (the product's default); counted: it "

@@ -91,6 +91,39 @@ def test_accuracy_bench_runs_resumes_and_merges(tmp_path):
         inside.unlink(missing_ok=True)
 
 
+def test_accuracy_bench_runs_a_calibrations_policies(tmp_path):
+    """--calibration FILE adds epikv_calibrated (the file's layers, window and recent share) and calibrated (its
+    step-3 choice for the budget); each record names the calibration and what ran; a resumed run with another
+    calibration is refused in one line."""
+    cal = next((REPO / "epikv_local" / "calibrations").glob("*.json"))  # the default model's, with step 3
+    doc = json.loads(cal.read_text())
+    data = _tiny_gsm8k(tmp_path)
+    records, out = tmp_path / "r.jsonl", tmp_path / "a.json"
+    d = run("bench_accuracy.py", "--data", data, "--policies", "streaming", "--budgets", "512", "--limit", "1",
+            "--max-tokens", "24", "--no-full", "--calibration", cal, "--records", records, "--out", out)
+    assert set(d["settings"]) == {"streaming@512/protected", "epikv_calibrated@512/protected",
+                                  "calibrated@512/protected"}
+    recs = {r["setting"]: r for r in map(json.loads, records.read_text().splitlines())}
+    ran = recs["epikv_calibrated@512/protected"]["ran"]
+    chosen = doc["chosen"]
+    assert ran["kv_policy"] == "epikv" and ran["recent_fraction"] == chosen["recent_fraction"]
+    assert ran["kv_policy_settings"] == {"layers": [chosen["layer_a"]] + ([chosen["layer_b"]] if chosen["layer_b"]
+                                                                          is not None else []),
+                                         "window": chosen["window"]}
+    at512 = next(e for e in doc["selected"]["by_budget"] if e["kv_budget"] == 512)
+    sel = recs["calibrated@512/protected"]
+    assert sel["calibration"] == cal.name and sel["ran"]["kv_policy"] == at512["policy"]
+    assert sel["ran"]["kv_policy_settings"] == at512["options"]  # the statistics' file by name, not a local path
+    assert "calibration" not in recs["streaming@512/protected"]
+    other = tmp_path / "other.json"
+    other.write_text(cal.read_text().replace(at512["options"]["query_stats"], str(cal.with_suffix(".qstats.npz"))))
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_accuracy.py"), "--data", str(data),
+                        "--policies", "streaming", "--budgets", "512", "--limit", "1", "--max-tokens", "24",
+                        "--no-full", "--calibration", str(other), "--records", str(records)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "calibration" in r.stderr, r.stderr
+
+
 def test_accuracy_merge_chooses_three_budgets_on_dev_records(tmp_path):
     """On dev records, --merge picks the ascending budget triple whose StreamingLLM losses (share of the full
     cache's right answers lost) lie nearest 75 % / 50 % / 25 %; on test records it chooses nothing."""
