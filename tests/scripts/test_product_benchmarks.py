@@ -303,3 +303,40 @@ def test_bench_parallel_passes_compares_pooled_with_one_at_a_time_and_refuses_ba
                         (["--budgets", "900"], "budgets")):
         r = subprocess.run([sys.executable, script] + bad, capture_output=True, text=True, timeout=120, cwd=REPO)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+
+
+def test_accuracy_evidence_runs_its_parts_and_refuses_what_it_cannot_do(tmp_path, model_path):
+    """scripts/accuracy_evidence.sh in small mode: the dev part runs both prompt modes (one full-cache run), cannot
+    choose three budgets from two candidates (one line, exit 2, before any test problem is answered); with the
+    budgets given, the GSM8K part answers both modes and the merge summarises every records file."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"id": f"p{i}", "split": split, "question": f"What is {i} plus 3?", "answer": str(i + 3),
+             "solution": ""} for i, split in enumerate(["dev", "dev", "test"])]
+    (data / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    env = {**os.environ, "MODEL": str(model_path), "DATA": str(data), "OUT": str(out), "TAG": "t",
+           "EPIKV_VENV": str(Path(sys.executable).parent.parent), "MAX_TOKENS": "16", "POLICIES": "streaming",
+           "DEV_PROBLEMS": "2", "CANDIDATES": "128,160", "TEST_PROBLEMS": "1"}
+
+    def script(**extra):
+        return subprocess.run(["bash", str(REPO / "scripts" / "accuracy_evidence.sh")], capture_output=True,
+                              text=True, timeout=600, cwd=REPO, env={**env, **extra})
+
+    r = script(PARTS="budgets gsm8k")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("accuracy_evidence: no budgets"), \
+        r.stderr[-2000:]
+    dev = [json.loads(x) for x in (out / "accuracy_gsm8k_dev_t.jsonl").read_text().splitlines()]
+    assert sorted({r["setting"] for r in dev}) == ["full/counted", "streaming@128/counted", "streaming@128/protected",
+                                                  "streaming@160/counted", "streaming@160/protected"]
+    choice = json.loads((out / "accuracy_gsm8k_dev_t.json").read_text())["budget_choice"]
+    assert choice["counted"]["chosen"] == [] and set(choice) == {"counted", "protected"}
+    assert not (out / "accuracy_gsm8k_t.jsonl").exists()
+    r = script(PARTS="gsm8k merge", BUDGETS_COUNTED="160", BUDGETS_PROTECTED="128")
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads((out / "accuracy_gsm8k_t.json").read_text())
+    assert set(d["settings"]) == {"full/counted", "streaming@160/counted", "streaming@128/protected"}
+    assert d["split"] == "test" and all(s["n"] == 1 for s in d["settings"].values())
+    r = script(PARTS="nope")
+    assert r.returncode == 2 and r.stderr.strip() == \
+        "accuracy_evidence: unknown part 'nope' (budgets calibrate gsm8k math passkey multiturn merge)"
