@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (ROOT, ArgParser, append_record, csv_of, log, provenance, read_records,  # noqa: E402
-                      run_or_merge, save_json)
+from benchlib import (ROOT, ArgParser, append_record, calibration_record, csv_of, log,  # noqa: E402
+                      provenance, read_records, run_or_merge, save_json, with_calibration)
 
 from epikv_local.eval.accuracy import INSTRUCTION  # noqa: E402  (the same turn as calibrate's accuracy objective)
 
@@ -71,21 +71,6 @@ def settings_of(policies: list[str], budgets: list[int], with_full: bool) -> lis
     return out + [(f"{p}@{b}", p, b) for b in budgets for p in policies]
 
 
-def llama_policy(policy: str, budget: int | None, cal) -> dict:
-    """``Llama``'s policy arguments for a setting: a registered policy by name (a calibratable one takes the
-    model's cached calibration, as a user gets it), or a calibration's run with its settings given explicitly."""
-    from epikv_local.eval.specs import CALIBRATED, SELECTED
-
-    if policy == CALIBRATED:
-        return {"kv_policy": "epikv", "kv_policy_settings": cal.policy_options(),
-                "recent_fraction": cal.recent_fraction}
-    if policy == SELECTED:
-        sel = cal.selected_for(budget)
-        return {"kv_policy": sel["policy"], "kv_policy_settings": dict(sel["options"]),
-                "recent_fraction": sel["recent_fraction"]}
-    return {"kv_policy": policy}
-
-
 def check_same_run(rows: list[dict], config: dict, records: Path) -> None:
     """ConfigError when ``records`` holds outcomes of another configuration (model, task, max_tokens, ...):
     a resumed run must not mix them."""
@@ -104,6 +89,7 @@ def run(args) -> int:
     from epikv_local.policies import policy_spec
     from epikv_local.errors import ConfigError
     from epikv_local.eval.accuracy import grade
+    from epikv_local.eval.specs import llama_policy_args
 
     from epikv_local.api.models import default_model_path
 
@@ -118,25 +104,14 @@ def run(args) -> int:
     check_same_run(rows, config, records)
     done = {(r["setting"], r["id"]) for r in rows}
     protect = args.prompt == "protected"
-    policies, cal, cal_name = list(args.policies), None, None
-    if args.calibration:
-        from epikv_local.eval.specs import CALIBRATED, SELECTED, load_calibration_arg
-
-        cal = load_calibration_arg(args.calibration, Path(model))
-        cal_name = Path(cal.path).name
-        policies += [x for x in [CALIBRATED] + ([SELECTED] if cal.selected is not None else [])
-                     if x not in policies]
-        for r in rows:  # a resumed run adds to the same calibration's outcomes only
-            if r.get("calibration") not in (None, cal_name):
-                raise ConfigError(f"{records} holds runs of calibration {r['calibration']!r}, not {cal_name!r}: "
-                                  "use another --records file")
+    policies, cal, cal_name = with_calibration(args, model, rows, records)
     for name, policy, budget in settings_of(policies, args.budgets, not args.no_full):
         todo = [p for p in problems if (f"{name}/{args.prompt}", p["id"]) not in done]
         if not todo:
             continue
         kv_budget = budget if budget is not None else args.full_budget
         log(f"{name} ({args.prompt} prompt): {len(todo)} problems")
-        how = llama_policy(policy, budget, cal)
+        how = llama_policy_args(policy, budget, cal)
         with Llama(model_path=model, kv_budget=kv_budget, protect_prompt=protect, n_threads=args.threads, seed=0,
                    verbose=False, flash_attn=not policy_spec(how["kv_policy"]).cls.needs_attention, **how) as llm:
             for p in todo:
@@ -160,10 +135,7 @@ def run(args) -> int:
                        "finish_reason": finish, "n_evicted": ext["n_evicted"],
                        "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2),
                        "text": text if args.keep_text else None}
-                if "kv_policy_settings" in how:  # a calibration's run: which calibration and what it ran
-                    opts = {k: Path(v).name if k == "query_stats" else v  # no path of this machine
-                            for k, v in how["kv_policy_settings"].items()}
-                    rec.update(calibration=cal_name, ran={**how, "kv_policy_settings": opts})
+                rec.update(calibration_record(how, cal_name))
                 append_record(records, rec)  # one whole line per outcome: resumable
                 log(f"  {p['id']}: {'right' if g.correct else 'wrong'} ({g.answer!r:.30} vs {p['gold']!r:.30}), "
                     f"{rec['n_generated']} tokens, {rec['n_evicted']} evicted, {rec['seconds']} s")

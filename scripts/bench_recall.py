@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (ROOT, ArgParser, append_record, csv_of, log, provenance, read_records,  # noqa: E402
-                      run_or_merge, save_json)
+from benchlib import (ROOT, ArgParser, append_record, calibration_record, csv_of, log,  # noqa: E402
+                      provenance, read_records, run_or_merge, save_json, with_calibration)
 
 PROG = "bench_recall"
 FACTS = [("code", "My locker code is {v}.", "What is my locker code? Answer with the code only.",
@@ -104,6 +104,7 @@ def run(args) -> int:
     from epikv_local.api.llama import Llama
     from epikv_local.errors import ConfigError
     from epikv_local.api.models import default_model_path
+    from epikv_local.eval.specs import llama_policy_args
 
     model = args.model or str(default_model_path())
     records = Path(args.records)
@@ -117,14 +118,16 @@ def run(args) -> int:
                               f"{r.get('model')}): use another --records file")
     done = {(r["setting"], r["id"]) for r in rows}
     cases = passkey_cases(args) if args.task == "passkey" else multiturn_cases(args)
-    settings = [("full", "none", args.full_budget)] + [(f"{p}@{b}", p, b) for b in args.budgets for p in args.policies]
+    policies, cal, cal_name = with_calibration(args, model, rows, records)
+    settings = [("full", "none", args.full_budget)] + [(f"{p}@{b}", p, b) for b in args.budgets for p in policies]
     for name, policy, budget in settings:
         todo = [c for c in cases if (name, c["id"]) not in done]
         if not todo:
             continue
         log(f"{args.task} {name}: {len(todo)} cases")
-        with Llama(model_path=model, kv_budget=budget, kv_policy=policy, n_threads=args.threads, seed=0,
-                   verbose=False, protect_prompt=args.task == "multiturn") as llm:
+        how = llama_policy_args(policy, budget, cal)
+        with Llama(model_path=model, kv_budget=budget, n_threads=args.threads, seed=0, verbose=False,
+                   protect_prompt=args.task == "multiturn", **how) as llm:
             for case in todo:
                 llm.reset()
                 t0 = time.perf_counter()
@@ -137,7 +140,7 @@ def run(args) -> int:
                        "n_evicted": sum(o["epikv"]["n_evicted"] for o in outs),
                        "max_live_cells": max(o["epikv"]["max_live_cells"] for o in outs),
                        "tokens": outs[-1]["usage"]["prompt_tokens"] + outs[-1]["usage"]["completion_tokens"],
-                       "seconds": round(time.perf_counter() - t0, 2)}
+                       "seconds": round(time.perf_counter() - t0, 2), **calibration_record(how, cal_name)}
                 append_record(records, rec)
                 log(f"  {case['id']}: {'right' if rec['correct'] else 'wrong'} ({answer[:40]!r} vs {want!r}), "
                     f"{rec['n_evicted']} evicted of {rec['tokens']} tokens, {rec['seconds']} s")
@@ -184,6 +187,8 @@ def parser() -> ArgParser:
     p.add_argument("-m", "--model", help="GGUF model (default: the default model)")
     p.add_argument("--task", choices=["passkey", "multiturn"], default="passkey")
     p.add_argument("--policies", type=csv_of(str, "--policies"), default=["streaming", "epikv"])
+    p.add_argument("--calibration", help="also run 'epikv_calibrated' and (with step 3) 'calibrated' from this "
+                                         "calibration JSON ('auto': the model's cached calibration)")
     p.add_argument("--budgets", type=csv_of(int, "--budgets"), default=[256])
     p.add_argument("--context", type=int, default=1024, help="passkey: tokens of context (>= 4 x the budget)")
     p.add_argument("--depths", type=csv_of(float, "--depths"), default=[0.1, 0.3, 0.5, 0.7, 0.9])

@@ -120,6 +120,34 @@ def csv_of(kind, what: str):
     return parse
 
 
+def with_calibration(args, model: str, rows: list[dict], records: Path) -> tuple[list[str], object, str | None]:
+    """``--calibration FILE|auto`` of an answer benchmark: (the policies to run: ``args.policies`` plus
+    ``epikv_calibrated`` and, with step 3, ``calibrated``; the loaded calibration or None; its file name).
+    ConfigError when ``records`` (read as ``rows``) holds runs of another calibration."""
+    from epikv_local.eval.specs import CALIBRATED, SELECTED, load_calibration_arg
+
+    policies = list(args.policies)
+    if not args.calibration:
+        return policies, None, None
+    cal = load_calibration_arg(args.calibration, Path(model))
+    name = Path(cal.path).name
+    policies += [x for x in [CALIBRATED] + ([SELECTED] if cal.selected is not None else []) if x not in policies]
+    for r in rows:  # a resumed run adds to the same calibration's outcomes only
+        if r.get("calibration") not in (None, name):
+            raise ConfigError(f"{records} holds runs of calibration {r['calibration']!r}, not {name!r}: "
+                              "use another --records file")
+    return policies, cal, name
+
+
+def calibration_record(how: dict, cal_name: str | None) -> dict:
+    """What a record of a calibration's run adds (the calibration's file name, what ran: policy, settings with
+    the query statistics by file name, recent share); {} for a registered policy's run."""
+    if "kv_policy_settings" not in how:
+        return {}
+    opts = {k: Path(v).name if k == "query_stats" else v for k, v in how["kv_policy_settings"].items()}
+    return {"calibration": cal_name, "ran": {**how, "kv_policy_settings": opts}}
+
+
 def dev_trace_text() -> str:
     """The text of the package's dev traces (the ones ``calibrate`` ships), joined by spaces."""
     from epikv_local.eval.io import read_jsonl

@@ -75,3 +75,18 @@ def selected_by_budget(cal, budgets: list[int]) -> dict[str, dict] | None:
     """Step 3's choice for each budget as a result document records it ({"128": choice, ...}), or None for a
     calibration without per-budget choices."""
     return {str(b): cal.selected_for(b) for b in budgets} if cal.selected_by_budget else None
+
+
+def llama_policy_args(policy: str, kv_budget: int | None, cal=None) -> dict:
+    """``Llama``'s policy arguments for a benchmark run named ``policy``: ``{"kv_policy": policy}`` for a
+    registered name (a calibratable one then takes the model's cached calibration, as a user gets it), or for
+    ``epikv_calibrated`` / ``calibrated`` the calibration ``cal``'s choice given explicitly (``kv_policy``,
+    ``kv_policy_settings``, ``recent_fraction``), ``calibrated`` at ``kv_budget``'s step-3 choice."""
+    if policy == CALIBRATED:
+        return {"kv_policy": "epikv", "kv_policy_settings": cal.policy_options(),
+                "recent_fraction": cal.recent_fraction}
+    if policy == SELECTED and cal is not None:
+        sel = cal.selected_for(kv_budget)
+        return {"kv_policy": sel["policy"], "kv_policy_settings": dict(sel["options"]),
+                "recent_fraction": sel["recent_fraction"]}
+    return {"kv_policy": policy}

@@ -122,6 +122,18 @@ def test_accuracy_bench_runs_a_calibrations_policies(tmp_path):
                         "--no-full", "--calibration", str(other), "--records", str(records)],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "calibration" in r.stderr, r.stderr
+    # the recall benchmark takes the same runs: at 96 cells step 3's nearest choice is the one for 128
+    trace = " ".join(f"Step {i}: we add {i} and {i + 1} to get {2 * i + 1}." for i in range(200))
+    (data / "r1_traces_dev.jsonl").write_text(json.dumps({"trace": trace}) + "\n")
+    d = run("bench_recall.py", "--data", data, "--task", "passkey", "--context", "300", "--budgets", "96",
+            "--policies", "streaming", "--depths", "0.5", "--seeds", "1", "--calibration", cal,
+            "--records", tmp_path / "p.jsonl", "--out", tmp_path / "p.json")
+    assert set(d["settings"]) == {"full", "streaming@96", "epikv_calibrated@96", "calibrated@96"}
+    recs = {r["setting"]: r for r in map(json.loads, (tmp_path / "p.jsonl").read_text().splitlines())}
+    at128 = next(e for e in doc["selected"]["by_budget"] if e["kv_budget"] == 128)
+    assert recs["calibrated@96"]["ran"]["kv_policy"] == at128["policy"]
+    assert recs["epikv_calibrated@96"]["ran"]["kv_policy_settings"]["window"] == chosen["window"]
+    assert recs["epikv_calibrated@96"]["n_evicted"] > 0
 
 
 def test_accuracy_merge_chooses_three_budgets_on_dev_records(tmp_path):
