@@ -8,6 +8,7 @@ import threading
 
 import pytest
 from test_server import BUDGET, http, leave_mid_stream, serving
+from test_server_limits import wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -63,8 +64,10 @@ def test_eight_clients_on_four_sequences_all_answered_unmixed(server, model_path
         text = out[i][1].lower()
         assert WORDS[i] in text, (i, out[i][1])
         assert not [w for w in WORDS if w != WORDS[i] and w in text], (i, out[i][1])
-    health = server.health()
-    assert health["busy"] is False and health["n_parallel"] == 4
+    # a request leaves the admission count after its last byte is sent, so a client can read its whole answer
+    # a moment before the server counts itself idle (seen once on a loaded machine): wait for it, bounded
+    wait_until(lambda: not server.health()["busy"], 60, "the server to be idle after the eight answers")
+    assert server.health()["n_parallel"] == 4
 
 
 def test_slots_and_metrics_agree_with_what_was_served(server, model_path):
