@@ -176,19 +176,18 @@ def merge(args) -> int:
         d, lo, hi = paired_bootstrap(x, y)
         return {"n": len(ids), **mcnemar(x, y), "difference": d, "ci95": [lo, hi]}
 
+    full = next((k for k in by if k.startswith("full/")), None)  # one full-cache run serves both prompt modes
     for name, s in summary.items():
-        full = next((k for k in by if k.startswith("full/")), None)
         s["vs_full"] = compare(name, full) if full and name != full else None
         ref = f"streaming@{s['budget']}/{s['prompt']}"
         s["vs_streaming"] = compare(name, ref) if s["budget"] is not None and name != ref and ref in by else None
     where = records.resolve()
-    split = rows[0].get("split") if rows else None
     doc = {**provenance("bench_accuracy.py", None),
            **{k: rows[0].get(k) for k in ("model", "task", "split", "max_tokens")},
            "records": str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else records.name,
            "settings": summary}
-    if split == "dev":  # budgets are chosen on dev only; test records report them
-        doc["budget_choice"] = {prompt: choose_budgets(streaming_losses(by, prompt))
+    if doc.get("split") == "dev":  # budgets are chosen on dev only; test records report them
+        doc["budget_choice"] = {prompt: choose_budgets(streaming_losses(by, by.get(full, {}), prompt))
                                 for prompt in sorted({s["prompt"] for s in summary.values()})}
     save_json(args.out, doc)
     def cell(c: dict | None) -> str:
@@ -213,13 +212,12 @@ def merge(args) -> int:
 LOSS_TARGETS = (0.75, 0.5, 0.25)
 
 
-def streaming_losses(by: dict[str, dict[str, dict]], prompt: str) -> dict[int, float]:
-    """{budget: share of the full cache's right answers that StreamingLLM at that budget gets wrong}, paired on
-    the problems both settings answered, for one prompt mode (the full cache is the same run for both modes)."""
-    full = next((recs for name, recs in by.items() if name.startswith("full/")), None)
+def streaming_losses(by: dict[str, dict[str, dict]], full: dict[str, dict], prompt: str) -> dict[int, float]:
+    """{budget: share of the full cache's right answers (``full``: its records by id) that StreamingLLM at that
+    budget gets wrong}, paired on the problems both settings answered, for one prompt mode."""
     out = {}
     for name, recs in by.items():
-        if not name.startswith("streaming@") or not name.endswith(f"/{prompt}") or full is None:
+        if not name.startswith("streaming@") or not name.endswith(f"/{prompt}"):
             continue
         right = [i for i in full if full[i]["correct"] and i in recs]
         if right:
