@@ -9,7 +9,8 @@ in one process, and the script reports the median of the per-round ratios to ``p
 * ``plain+probe``      policy none with the idle eval callback that verifies flash attention;
 * ``epikv/layer_out``  EPIKV, capture through the patched llama_set_layer_capture (the default);
 * ``epikv/callback``   EPIKV, capture through the C eval callback (one graph split per captured layer);
-* ``streaming``        StreamingLLM through the same engine (eviction cost without capture).
+* ``streaming``        StreamingLLM through the same engine (eviction cost without capture);
+* ``facts``            EPIKV plus the digit marks and the numbers' tier (``policies/facts.py``; not run by default).
 
 Steady state at equal occupancy: the prompt fills kv_budget - n_batch cells, then ``--tokens`` tokens are
 decoded; plain decoding fills the context's slack, the evicting policies hold it at the budget.
@@ -39,6 +40,7 @@ VARIANTS = {
     "epikv/layer_out": dict(policy="epikv", flash_attn=True, route="layer_out", verify=True),
     "epikv/callback": dict(policy="epikv", flash_attn=True, route="callback", verify=True),
     "streaming": dict(policy="streaming", flash_attn=True, route="layer_out", verify=True),
+    "facts": dict(policy="facts", flash_attn=True, route="layer_out", verify=True),
 }
 
 
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per run")
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds over all variants")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "facts"))
     ap.add_argument("--out", default=str(ROOT / "results" / "overhead.json"))
     args = ap.parse_args(argv)
 

@@ -146,6 +146,8 @@ class SequencePool(Closing):
         info = model.info
         self.signals = policy.bind(info.shape)
         check_policy_fits(policy, self.cfg)
+        #: (n_vocab,) bool, tokens whose text holds a digit, when the policy reads them (Observation.numeric)
+        self.digits = model.digit_mask() if self.signals.numbers else None
         plan = CapturePlan.build(self.signals, self.cfg.capture_route, self.cfg.verify_flash_attn)
         n_ctx = self.cfg.n_ctx or context_cells(n_seq * budget.kv_budget, self.cfg.n_batch)
         if n_ctx < budget.kv_budget:

@@ -449,6 +449,8 @@ class Session(Closing):
         self._rows, self._rows_round, self._kept = out_rows, round_, None
         obs = self.capture.observe(pos, rows, n_total)
         obs.given = np.full(len(part), given)
+        if self.pool.digits is not None:
+            obs.numeric = self.pool.digits[np.asarray(part, dtype=np.int64)]
         self.capture.check_flash_attn(self.cfg.flash_attn)
         self.policy.observe(obs)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from ..errors import ConfigError
 from .base import ModelShape, Observation, Policy, Signals
 from .epikv import EpikvPolicy
+from .facts import FactsPolicy
 from .h2o import H2OPolicy
 from .keydiff import KeyDiffPolicy
 from .knorm import KNormPolicy
@@ -67,6 +68,8 @@ _SPECS = [
                "a base scorer within each (streaming)"),
     PolicySpec("said_epikv", SaidEpikvPolicy, help="as said, EPIKV's score within each group (the default: on one "
                "protected prompt it is epikv)"),
+    PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
+               "cache at most); EPIKV's score within each"),
     PolicySpec("rkv_redundancy", RKVRedundancyPolicy, help="R-KV's redundancy term: older near-duplicate keys go"),
     PolicySpec("rkv", RKVPolicy, help="R-KV: attention importance minus key redundancy (flash attention off)"),
     PolicySpec("calibrated", Policy, help="the policy, settings and recent share that `epikv-local calibrate` "
@@ -114,5 +117,6 @@ def make_policy(name: "str | PolicySpec", **options) -> Policy:
 
 __all__ = ["ModelShape", "Observation", "Policy", "PolicySpec", "Signals", "EpikvPolicy", "StreamingLLM",
            "NoEviction", "RandomPolicy", "KNormPolicy", "KeyDiffPolicy", "LagKVPolicy", "H2OPolicy", "TOVAPolicy",
-           "SnapKVPolicy", "EpikvMixPolicy", "TriAttentionPolicy", "RKVPolicy", "RKVRedundancyPolicy", "SaidPolicy", "SaidEpikvPolicy", "DEFAULT_POLICY",
+           "SnapKVPolicy", "EpikvMixPolicy", "TriAttentionPolicy", "RKVPolicy", "RKVRedundancyPolicy", "SaidPolicy", "SaidEpikvPolicy", "FactsPolicy",
+           "DEFAULT_POLICY",
            "REGISTRY", "make_policy", "policy_spec"]

@@ -51,12 +51,14 @@ class Signals:
     key_layers: layers whose keys after RoPE are captured (0 .. n_layer - 1).
     query_layers: layers whose queries after RoPE are captured (0 .. n_layer - 1).
     attention_layers: layers whose attention weights are read back (only with ``needs_attention``).
+    numbers: whether the engine marks the tokens whose text holds a decimal digit (``Observation.numeric``).
     """
 
     g_layers: tuple[int, ...] = ()
     key_layers: tuple[int, ...] = ()
     attention_layers: tuple[int, ...] = ()
     query_layers: tuple[int, ...] = ()
+    numbers: bool = False
 
 
 @dataclass
@@ -74,6 +76,8 @@ class Observation:
     given: (T,) bool, True for tokens the caller gave (a prompt, a later chat turn: the user's or a tool's
         words) and False for tokens the model sampled or text fed without being a prompt (a teacher-forced
         trace); None when no session built the observation.
+    numeric: (T,) bool, True for tokens whose text holds a decimal digit 0-9; None unless the policy's
+        signals ask for ``numbers``.
     """
 
     positions: np.ndarray
@@ -84,6 +88,7 @@ class Observation:
     attn_received: np.ndarray | None = None
     attn_last: np.ndarray | None = None
     given: np.ndarray | None = None
+    numeric: np.ndarray | None = None
 
 
 @dataclass

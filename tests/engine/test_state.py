@@ -388,6 +388,7 @@ def test_save_refuses_state_that_is_not_data(model, tmp_path):
     ("epikv_mix", {"w_triattention": 1.0}, True),           # sub-policies, position rows, online query statistics
     ("rkv", {}, False),                                     # a deque of attention rows (flash attention off)
     ("said_epikv", {}, True),                               # a base policy and the given/generated marks
+    ("facts", {}, True),                                    # a base policy and the engine's digit marks
 ])
 def test_every_kind_of_policy_state_round_trips(model, tmp_path, name, options, flash):
     mk = lambda: Session(model, make_policy(name, **options), BudgetConfig(kv_budget=40, n_recent=8),

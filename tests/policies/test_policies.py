@@ -79,7 +79,7 @@ def test_scores_shape_dtype_determinism(name):
 def test_registry_and_families():
     assert set(ALL) == {"none", "streaming", "random", "knorm", "keydiff", "lagkv", "epikv", "epikv_lag",
                         "epikv_raw", "epikv_single", "h2o", "tova", "snapkv", "epikv_mix", "triattention",
-                        "rkv_redundancy", "rkv", "said", "said_epikv"}
+                        "rkv_redundancy", "rkv", "said", "said_epikv", "facts"}
     # traits are class attributes, read from the registry's classes
     assert {n for n in ALL if REGISTRY[n].cls.needs_attention} == {"h2o", "tova", "snapkv", "rkv"}
     assert {n for n in ALL if REGISTRY[n].cls.calibratable} == {"epikv", "epikv_lag", "epikv_raw", "epikv_single",
