@@ -177,6 +177,18 @@ def rank01(scores: np.ndarray) -> np.ndarray:
     return r / max(len(s) - 1, 1) if len(s) > 1 else np.ones(len(s))
 
 
+def lift_tier(rank: np.ndarray, members: np.ndarray, within: np.ndarray, share: float) -> np.ndarray:
+    """Lift a tier above the rest of ``rank`` (N,) in [0, 1]: of the ``members`` (indices, M), those ranked highest
+    by ``within`` (M,) in [0, 1], at most ``round(share * N)`` of them, score ``2 + within``; ``rank`` is changed
+    in place and returned."""
+    keep = int(round(share * len(rank)))
+    if len(members) > keep:
+        top = np.argsort(within, kind="stable")[len(members) - keep:]
+        members, within = members[top], within[top]
+    rank[members] = 2.0 + within  # strictly above every rank of the rest (0..1)
+    return rank
+
+
 def check_float(owner: str, name: str, value, lo: float, hi: float = float("inf"), hi_open: bool = False,
                 what: str = "a number") -> None:
     """ConfigError unless ``value`` is a finite real (not a bool) in [lo, hi] ([lo, hi) with ``hi_open``)."""

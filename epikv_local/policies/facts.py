@@ -30,7 +30,8 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import ConfigError
-from .base import ModelShape, Observation, Policy, PositionScores, Signals, check_float, check_int, rank01
+from .base import (ModelShape, Observation, Policy, PositionScores, Signals, check_float, check_int, lift_tier,
+                   rank01)
 from .epikv import EpikvPolicy
 from .streaming import StreamingLLM
 
@@ -83,9 +84,4 @@ class FactsPolicy(Policy):
             near[ok] |= self._numeric.get(q[ok]) == 1.0
         tier = np.flatnonzero(near)
         within = rank01(-positions[tier].astype(np.float64)) if self.order == "oldest" else rank[tier]
-        keep = int(round(self.share * len(positions)))
-        if len(tier) > keep:  # the share's worth ranked highest within the tier keep it
-            top = np.argsort(within, kind="stable")[len(tier) - keep:]
-            tier, within = tier[top], within[top]
-        rank[tier] = 2.0 + within  # strictly above every rank of the rest (0..1)
-        return rank
+        return lift_tier(rank, tier, within, self.share)

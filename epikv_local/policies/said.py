@@ -35,7 +35,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import ConfigError
-from .base import ModelShape, Observation, Policy, PositionScores, Signals, check_float, rank01
+from .base import ModelShape, Observation, Policy, PositionScores, Signals, check_float, lift_tier, rank01
 from .epikv import EpikvPolicy
 from .keydiff import KeyDiffPolicy
 from .streaming import StreamingLLM
@@ -88,12 +88,7 @@ class SaidPolicy(Policy):
         rank = rank01(self._base.score(positions))
         given = np.flatnonzero(self._given.get(positions) == 1.0)
         within = rank01(-positions[given].astype(np.float64)) if self.given_order == "oldest" else rank[given]
-        keep = int(round(self.share * len(positions)))
-        if len(given) > keep:  # the share's worth of given tokens ranked highest within the group keep the tier
-            top = np.argsort(within, kind="stable")[len(given) - keep:]
-            given, within = given[top], within[top]
-        rank[given] = 2.0 + within  # strictly above every rank of the model's own (0..1)
-        return rank
+        return lift_tier(rank, given, within, self.share)  # the share's worth ranked highest within the given
 
 
 @dataclass
