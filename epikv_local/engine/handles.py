@@ -439,12 +439,8 @@ class Model(_Owned):
         """(n_vocab,) bool: True for the tokens whose piece holds a decimal digit 0-9 (computed once, about
         a second for a 150k vocabulary; special tokens are not rendered, so never True)."""
         if not hasattr(self, "_digits"):
-            ll, buf = self.nat.llama, ctypes.create_string_buffer(256)
-            digits = np.zeros(self.info.n_vocab, dtype=bool)
-            for token in range(self.info.n_vocab):
-                n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-                digits[token] = n > 0 and any(48 <= b <= 57 for b in buf.raw[:n])
-            self._digits = digits
+            self._digits = np.array([any(48 <= b <= 57 for b in self.token_bytes(t)) for t in range(self.info.n_vocab)],
+                                    dtype=bool)
         return self._digits
 
     @native_call
