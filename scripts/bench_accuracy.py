@@ -89,7 +89,7 @@ def run(args) -> int:
     from epikv_local.policies import policy_spec
     from epikv_local.errors import ConfigError
     from epikv_local.eval.accuracy import grade
-    from epikv_local.eval.specs import llama_policy_args
+    from epikv_local.eval.specs import check_policies, llama_policy_args
 
     from epikv_local.api.models import default_model_path
 
@@ -97,6 +97,7 @@ def run(args) -> int:
     problems = load_problems(Path(args.data), args.task, args.split, args.levels, args.offset, args.limit)
     if not problems:
         raise ConfigError("no problems selected (check --task, --split, --levels, --offset, --limit)")
+    check_policies(args.policies)  # a typo is refused before any file or answer
     records = Path(args.records)
     append_record(records, None)
     config = {"model": Path(model).name, "task": args.task, "split": args.split, "max_tokens": args.max_tokens}

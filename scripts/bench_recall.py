@@ -104,9 +104,10 @@ def run(args) -> int:
     from epikv_local.api.llama import Llama
     from epikv_local.errors import ConfigError
     from epikv_local.api.models import default_model_path
-    from epikv_local.eval.specs import llama_policy_args
+    from epikv_local.eval.specs import check_policies, llama_policy_args
 
     model = args.model or str(default_model_path())
+    check_policies(args.policies)  # a typo is refused before any file or answer
     records = Path(args.records)
     append_record(records, None)
     rows = read_records(records)
