@@ -145,7 +145,7 @@ def run(args) -> int:
 
 def merge(args) -> int:
     from epikv_local.errors import ConfigError
-    from epikv_local.eval.accuracy import mcnemar, paired_bootstrap
+    from epikv_local.eval.accuracy import mcnemar, paired_bootstrap, recovered_share
 
     records = Path(args.records)
     if not records.exists():
@@ -182,6 +182,7 @@ def merge(args) -> int:
         s["vs_full"] = compare(name, full) if full and name != full else None
         ref = f"streaming@{s['budget']}/{s['prompt']}"
         s["vs_streaming"] = compare(name, ref) if s["budget"] is not None and name != ref and ref in by else None
+        s["recovered"] = recovered(by, name, ref, full) if s["vs_streaming"] and full else None
     where = records.resolve()
     doc = {**provenance("bench_accuracy.py", None),
            **{k: rows[0].get(k) for k in ("model", "task", "split", "max_tokens")},
@@ -194,10 +195,14 @@ def merge(args) -> int:
     def cell(c: dict | None) -> str:
         return f"{c['difference']:+.1%} ({c['p']:.2f})" if c else "-"
 
-    print(f"{'setting':32} {'n':>4} {'acc':>6} {'gen':>6} {'loop':>5} {'vs full (p)':>16} {'vs streaming (p)':>18}")
+    def share(r: dict | None) -> str:
+        return f"{r['share']:+.0%} [{r['ci95'][0]:+.0%}, {r['ci95'][1]:+.0%}]" if r else "-"
+
+    print(f"{'setting':32} {'n':>4} {'acc':>6} {'gen':>6} {'loop':>5} {'vs full (p)':>16} {'vs streaming (p)':>18} "
+          f"{'loss recovered':>22}")
     for name, s in summary.items():
         print(f"{name:32} {s['n']:4d} {s['accuracy']:6.1%} {s['mean_generated']:6.0f} {s['looping_share']:5.0%} "
-              f"{cell(s['vs_full']):>16} {cell(s['vs_streaming']):>18}")
+              f"{cell(s['vs_full']):>16} {cell(s['vs_streaming']):>18} {share(s['recovered']):>22}")
     for prompt, c in doc.get("budget_choice", {}).items():
         if c["chosen"]:
             print(f"budgets chosen on dev ({prompt} prompt): " + ", ".join(
@@ -206,6 +211,19 @@ def merge(args) -> int:
         else:
             print(f"budgets chosen on dev ({prompt} prompt): none ({c['why']})")
     return 0
+
+
+def recovered(by: dict[str, dict[str, dict]], name: str, streaming: str, full: str) -> dict:
+    """Issue 21's goal figure for one setting: :func:`~epikv_local.eval.accuracy.recovered_share` of StreamingLLM's
+    loss at the same budget and prompt mode, on the problems all three answered, and ``goal_met``: at least half
+    recovered with the paired CI of the difference to StreamingLLM above zero."""
+    from epikv_local.eval.accuracy import paired_bootstrap, recovered_share
+
+    ids = sorted(set(by[name]) & set(by[streaming]) & set(by[full]))
+    x, y, f = ([by[k][i]["correct"] for i in ids] for k in (name, streaming, full))
+    r = recovered_share(x, y, f)
+    low = paired_bootstrap(x, y)[1]
+    return {**r, "goal_met": bool(r["share"] >= 0.5 and low > 0)}  # NaN >= 0.5 is False: nothing to recover
 
 
 #: StreamingLLM's share of the full cache's right answers lost at the smallest, middle and largest chosen budget

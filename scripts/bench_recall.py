@@ -150,7 +150,7 @@ def run(args) -> int:
 
 def merge(args) -> int:
     from epikv_local.errors import ConfigError
-    from epikv_local.eval.accuracy import mcnemar, paired_bootstrap
+    from epikv_local.eval.accuracy import mcnemar, paired_bootstrap, recovered_share
 
     rows = read_records(Path(args.records))
     if len({r.get("task") for r in rows}) > 1:
@@ -173,12 +173,19 @@ def merge(args) -> int:
                 x, y = [recs[i]["correct"] for i in ids], [by[ref][i]["correct"] for i in ids]
                 d, lo, hi = paired_bootstrap(x, y)
                 s[key] = {"n": len(ids), **mcnemar(x, y), "difference": d, "ci95": [lo, hi]}
+        ref = f"streaming@{s['budget']}"
+        ids = sorted(set(recs) & set(by.get(ref, {})) & set(by.get("full", {})))
+        if "vs_streaming" in s and ids:  # issue 21's goal figure: the share of StreamingLLM's loss won back
+            r = recovered_share(*([by[k][i]["correct"] for i in ids] for k in (name, ref, "full")))
+            s["recovered"] = {**r, "goal_met": bool(r["share"] >= 0.5 and s["vs_streaming"]["ci95"][0] > 0)}
         summary[name] = s
     save_json(args.out, {**provenance("bench_recall.py", None), "settings": summary})
     for name, s in summary.items():
         vs = s.get("vs_streaming")
         print(f"{name:24} n={s['n']:3d} recall {s['accuracy']:6.1%}  evicted {s['mean_evicted']:7.0f}"
               + (f"  vs streaming {vs['difference']:+.1%} (p={vs['p']:.2f})" if vs else "")
+              + (f"  loss recovered {r['share']:+.0%} [{r['ci95'][0]:+.0%}, {r['ci95'][1]:+.0%}]"
+                 if (r := s.get("recovered")) else "")
               + (f"  by depth {s['by_depth']}" if "by_depth" in s else ""))
     return 0
 

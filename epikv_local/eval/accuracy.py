@@ -11,7 +11,8 @@ symbolic one: equivalent expressions written differently (``\\sqrt{2}/2`` vs ``\
 wrong for every setting alike, which the paired comparisons tolerate.
 
 Paired comparisons (:func:`mcnemar`, :func:`paired_bootstrap`) use the per-problem outcomes of two settings on
-the same problems.
+the same problems; :func:`recovered_share` those of three (a policy, StreamingLLM and the full cache): the share of
+StreamingLLM's loss that the policy wins back, issue 21's goal figure.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["INSTRUCTION", "Grade", "extract_answer", "grade", "is_looping", "mcnemar", "normalize",
-           "paired_bootstrap"]
+           "paired_bootstrap", "recovered_share"]
 
 #: what follows each problem in the accuracy benchmark's chat turn (and in ``calibrate --objective accuracy``)
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -213,3 +214,29 @@ def paired_bootstrap(a: list[bool], b: list[bool], n_resamples: int = 10000, see
     boot = x[rng.integers(0, x.size, size=(n_resamples, x.size))].mean(axis=1)
     lo, hi = np.quantile(boot, [(1 - level) / 2, 1 - (1 - level) / 2])
     return float(x.mean()), float(lo), float(hi)
+
+
+def recovered_share(policy: list[bool], streaming: list[bool], full: list[bool], n_resamples: int = 10000,
+                    seed: int = 0, level: float = 0.95) -> dict:
+    """The share of StreamingLLM's accuracy loss against the full cache that a policy wins back, on the same
+    problems in the same order: (acc(policy) - acc(streaming)) / (acc(full) - acc(streaming)); 1 = all of the
+    loss recovered, 0 = none, negative = worse than StreamingLLM.
+
+    Returns {"n", "share", "ci95": [low, high]}: a percentile CI resampling problems (one draw of indices for all
+    three settings); resamples where StreamingLLM loses nothing are undefined and left out. ``share`` and the CI
+    are NaN when StreamingLLM loses nothing on the problems given (nothing to recover).
+    """
+    if not len(policy) == len(streaming) == len(full):
+        raise ValueError(f"paired outcomes of different lengths: {len(policy)}, {len(streaming)}, {len(full)}")
+    x = np.asarray([policy, streaming, full], dtype=np.float64)
+    nan = float("nan")
+    if x.shape[1] == 0 or x[2].mean() <= x[1].mean():
+        return {"n": int(x.shape[1]), "share": nan, "ci95": [nan, nan]}
+    rng = np.random.default_rng(seed)
+    means = x[:, rng.integers(0, x.shape[1], size=(n_resamples, x.shape[1]))].mean(axis=2)  # (3, resamples)
+    loss = means[2] - means[1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        boot = np.where(loss > 0, (means[0] - means[1]) / loss, np.nan)
+    lo, hi = np.nanquantile(boot, [(1 - level) / 2, 1 - (1 - level) / 2])
+    share = (x[0].mean() - x[1].mean()) / (x[2].mean() - x[1].mean())
+    return {"n": int(x.shape[1]), "share": float(share), "ci95": [float(lo), float(hi)]}

@@ -5,11 +5,13 @@ answer); the paired statistics against known values."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from epikv_local.eval.accuracy import extract_answer, grade, is_looping, mcnemar, normalize, paired_bootstrap
+from epikv_local.eval.accuracy import (extract_answer, grade, is_looping, mcnemar, normalize, paired_bootstrap,
+                                      recovered_share)
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
@@ -93,6 +95,24 @@ def test_mcnemar_and_paired_bootstrap():
     assert d == pytest.approx(0.5) and 0.2 < lo < d < hi < 0.8
     with pytest.raises(ValueError):
         mcnemar([True], [True, False])
+
+
+def test_recovered_share_of_streamings_loss():
+    # full right on 40 of 60, StreamingLLM on 10 of those, the policy on 25: it wins back 15 of the 30 lost
+    full = [True] * 40 + [False] * 20
+    streaming = [True] * 10 + [False] * 50
+    policy = [True] * 25 + [False] * 35
+    r = recovered_share(policy, streaming, full)
+    assert r["n"] == 60 and r["share"] == pytest.approx(0.5)
+    assert 0.2 < r["ci95"][0] < 0.5 < r["ci95"][1] < 0.8
+    assert recovered_share(full, streaming, full)["share"] == pytest.approx(1.0)
+    assert recovered_share(streaming, streaming, full)["share"] == 0.0
+    worse = recovered_share([False] * 60, streaming, full)  # below StreamingLLM: negative
+    assert worse["share"] == pytest.approx(-1 / 3) and worse["ci95"][1] < 0
+    nothing = recovered_share(policy, full, full)  # StreamingLLM loses nothing: no share to report
+    assert math.isnan(nothing["share"]) and all(math.isnan(c) for c in nothing["ci95"])
+    with pytest.raises(ValueError):
+        recovered_share([True], [True], [True, False])
 
 
 @pytest.mark.skipif(not (DATA / "gsm8k_test.jsonl").exists(), reason="../shared/data is not on this machine")

@@ -168,6 +168,25 @@ def test_accuracy_merge_chooses_three_budgets_on_dev_records(tmp_path):
     assert d["budget_choice"]["counted"]["chosen"] == [] and "3 are needed" in d["budget_choice"]["counted"]["why"]
 
 
+def test_accuracy_merge_reports_the_share_of_streamings_loss_recovered(tmp_path):
+    """--merge gives each policy setting issue 21's goal figure: the share of StreamingLLM's loss (same budget and
+    prompt mode) it wins back, its CI, and whether the goal is met (half, with the paired CI above zero)."""
+    base = {"model": "m.gguf", "task": "gsm8k", "split": "test", "max_tokens": 48, "empty": False,
+            "looping": False, "n_generated": 10, "n_evicted": 0, "finish_reason": "stop", "prompt": "counted"}
+    right_of = {("full", None): 40, ("streaming", 192): 10, ("epikv", 192): 25, ("said", 192): 12}
+    records, out = tmp_path / "r.jsonl", tmp_path / "r.json"
+    records.write_text("".join(
+        json.dumps({**base, "setting": "full/counted" if budget is None else f"{policy}@{budget}/counted",
+                    "policy": policy, "budget": budget, "id": f"p{i}", "correct": i < n}) + "\n"
+        for (policy, budget), n in right_of.items() for i in range(60)))
+    s = run("bench_accuracy.py", "--merge", "--records", records, "--out", out)["settings"]
+    assert s["epikv@192/counted"]["recovered"]["share"] == pytest.approx(0.5)
+    assert s["epikv@192/counted"]["recovered"]["goal_met"] is True
+    assert s["said@192/counted"]["recovered"]["share"] == pytest.approx(2 / 30)
+    assert s["said@192/counted"]["recovered"]["goal_met"] is False
+    assert s["streaming@192/counted"]["recovered"] is None and s["full/counted"]["recovered"] is None
+
+
 def test_recall_bench_passkey_and_multiturn(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -182,6 +201,19 @@ def test_recall_bench_passkey_and_multiturn(tmp_path):
     d = run("bench_recall.py", "--data", data, "--task", "multiturn", "--filler-tokens", "8", "--budgets", "160",
             "--policies", "streaming", "--seeds", "1", "--records", tmp_path / "m.jsonl", "--out", tmp_path / "m.json")
     assert set(d["settings"]) == {"full", "streaming@160"}
+
+
+def test_recall_merge_reports_the_share_of_streamings_loss_recovered(tmp_path):
+    right_of = {("full", None): 12, ("streaming", 256): 0, ("said", 256): 12, ("epikv", 256): 0}
+    records, out = tmp_path / "m.jsonl", tmp_path / "m.json"
+    records.write_text("".join(
+        json.dumps({"task": "multiturn", "setting": policy if budget is None else f"{policy}@{budget}",
+                    "policy": policy, "budget": budget, "id": f"c{i}", "correct": i < n, "n_evicted": 0}) + "\n"
+        for (policy, budget), n in right_of.items() for i in range(12)))
+    s = run("bench_recall.py", "--merge", "--records", records, "--out", out)["settings"]
+    assert s["said@256"]["recovered"] == {"n": 12, "share": 1.0, "ci95": [1.0, 1.0], "goal_met": True}
+    assert s["epikv@256"]["recovered"]["share"] == 0.0 and s["epikv@256"]["recovered"]["goal_met"] is False
+    assert "recovered" not in s["streaming@256"] and "recovered" not in s["full"]
 
 
 @pytest.mark.parametrize("script", ["bench_accuracy.py", "bench_recall.py"])
