@@ -222,16 +222,18 @@ def recovered_share(policy: list[bool], streaming: list[bool], full: list[bool],
     problems in the same order: (acc(policy) - acc(streaming)) / (acc(full) - acc(streaming)); 1 = all of the
     loss recovered, 0 = none, negative = worse than StreamingLLM.
 
-    Returns {"n", "share", "ci95": [low, high]}: a percentile CI resampling problems (one draw of indices for all
-    three settings); resamples where StreamingLLM loses nothing are undefined and left out. ``share`` and the CI
-    are NaN when StreamingLLM loses nothing on the problems given (nothing to recover).
+    Returns {"n", "share", "ci95": [low, high], "goal_met"}: a percentile CI resampling problems (one draw of
+    indices for all three settings; resamples where StreamingLLM loses nothing are undefined and left out), and
+    issue 21's goal: at least half recovered, with the CI of acc(policy) - acc(streaming) on the same resamples
+    (:func:`paired_bootstrap`'s, for the same seed) above zero. ``share`` and the CI are NaN, and the goal unmet,
+    when StreamingLLM loses nothing on the problems given (nothing to recover).
     """
     if not len(policy) == len(streaming) == len(full):
         raise ValueError(f"paired outcomes of different lengths: {len(policy)}, {len(streaming)}, {len(full)}")
     x = np.asarray([policy, streaming, full], dtype=np.float64)
     nan = float("nan")
     if x.shape[1] == 0 or x[2].mean() <= x[1].mean():
-        return {"n": int(x.shape[1]), "share": nan, "ci95": [nan, nan]}
+        return {"n": int(x.shape[1]), "share": nan, "ci95": [nan, nan], "goal_met": False}
     rng = np.random.default_rng(seed)
     means = x[:, rng.integers(0, x.shape[1], size=(n_resamples, x.shape[1]))].mean(axis=2)  # (3, resamples)
     loss = means[2] - means[1]
@@ -239,4 +241,6 @@ def recovered_share(policy: list[bool], streaming: list[bool], full: list[bool],
         boot = np.where(loss > 0, (means[0] - means[1]) / loss, np.nan)
     lo, hi = np.nanquantile(boot, [(1 - level) / 2, 1 - (1 - level) / 2])
     share = (x[0].mean() - x[1].mean()) / (x[2].mean() - x[1].mean())
-    return {"n": int(x.shape[1]), "share": float(share), "ci95": [float(lo), float(hi)]}
+    gain_low = np.quantile(means[0] - means[1], (1 - level) / 2)
+    return {"n": int(x.shape[1]), "share": float(share), "ci95": [float(lo), float(hi)],
+            "goal_met": bool(share >= 0.5 and gain_low > 0)}
