@@ -45,11 +45,13 @@ def provenance(script: str, argv: list[str] | None) -> dict:
 
 def save_json(path: str | os.PathLike | None, doc: dict) -> None:
     """Write ``doc`` as indented JSON to ``path``, atomically, its machine paths made portable
-    (:func:`~epikv_local.eval.provenance.portable`); nothing when ``path`` is None."""
-    from epikv_local.eval.io import write_atomic
+    (:func:`~epikv_local.eval.provenance.portable`) and NaN written as null (strict JSON); nothing when ``path``
+    is None."""
+    from epikv_local.eval.io import nan_to_none, write_atomic
 
     if path:
-        write_atomic(path, json.dumps(portable(doc), indent=2) + "\n", what="result file", error=ConfigError)
+        write_atomic(path, json.dumps(nan_to_none(portable(doc)), indent=2) + "\n",
+                     what="result file", error=ConfigError)
 
 
 class ArgParser(argparse.ArgumentParser):

@@ -187,6 +187,24 @@ def test_accuracy_merge_reports_the_share_of_streamings_loss_recovered(tmp_path)
     assert s["streaming@192/counted"]["recovered"] is None and s["full/counted"]["recovered"] is None
 
 
+def test_accuracy_merge_writes_strict_json_when_streaming_loses_nothing(tmp_path):
+    """Nothing to recover (StreamingLLM as right as the full cache): the figure is undefined and the result file
+    says null, not NaN, which strict JSON readers refuse."""
+    base = {"model": "m.gguf", "task": "gsm8k", "split": "test", "max_tokens": 48, "empty": False,
+            "looping": False, "n_generated": 10, "n_evicted": 0, "finish_reason": "stop", "prompt": "counted"}
+    records, out = tmp_path / "r.jsonl", tmp_path / "r.json"
+    records.write_text("".join(
+        json.dumps({**base, "setting": "full/counted" if budget is None else f"{policy}@{budget}/counted",
+                    "policy": policy, "budget": budget, "id": f"p{i}", "correct": i < 5}) + "\n"
+        for policy, budget in (("full", None), ("streaming", 384), ("epikv", 384)) for i in range(10)))
+    run("bench_accuracy.py", "--merge", "--records", records, "--out", out)
+    text = out.read_text()
+    assert "NaN" not in text
+    r = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert r["settings"]["epikv@384/counted"]["recovered"] == {"n": 10, "share": None, "ci95": [None, None],
+                                                               "goal_met": False}
+
+
 def test_recall_bench_passkey_and_multiturn(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
