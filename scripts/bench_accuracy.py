@@ -196,7 +196,11 @@ def merge(args) -> int:
         return f"{c['difference']:+.1%} ({c['p']:.2f})" if c else "-"
 
     def share(r: dict | None) -> str:
-        return f"{r['share']:+.0%} [{r['ci95'][0]:+.0%}, {r['ci95'][1]:+.0%}]" if r else "-"
+        if not r:
+            return "-"
+        if r["share"] != r["share"]:  # NaN: StreamingLLM lost nothing
+            return "none lost"
+        return f"{r['share']:+.0%} [{r['ci95'][0]:+.0%}, {r['ci95'][1]:+.0%}]"
 
     print(f"{'setting':32} {'n':>4} {'acc':>6} {'gen':>6} {'loop':>5} {'vs full (p)':>16} {'vs streaming (p)':>18} "
           f"{'loss recovered':>22}")

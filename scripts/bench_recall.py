@@ -184,7 +184,7 @@ def merge(args) -> int:
         print(f"{name:24} n={s['n']:3d} recall {s['accuracy']:6.1%}  evicted {s['mean_evicted']:7.0f}"
               + (f"  vs streaming {vs['difference']:+.1%} (p={vs['p']:.2f})" if vs else "")
               + (f"  loss recovered {r['share']:+.0%} [{r['ci95'][0]:+.0%}, {r['ci95'][1]:+.0%}]"
-                 if (r := s.get("recovered")) else "")
+                 if (r := s.get("recovered")) and r["share"] == r["share"] else "")  # NaN: nothing lost
               + (f"  by depth {s['by_depth']}" if "by_depth" in s else ""))
     return 0
 
