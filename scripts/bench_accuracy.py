@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (ROOT, ArgParser, append_record, calibration_record, csv_of, log,  # noqa: E402
-                      provenance, read_records, run_or_merge, save_json, with_calibration)
+                      provenance, read_records, records_to_merge, run_or_merge, save_json, with_calibration)
 
 from epikv_local.eval.accuracy import INSTRUCTION  # noqa: E402  (the same turn as calibrate's accuracy objective)
 
@@ -144,15 +144,11 @@ def run(args) -> int:
 
 
 def merge(args) -> int:
-    from epikv_local.errors import ConfigError
     from epikv_local.eval.accuracy import mcnemar, paired_bootstrap
 
     records = Path(args.records)
-    if not records.exists():
-        raise ConfigError(f"{records} not found")
-    rows = read_records(records)
-    if rows:
-        check_same_run(rows, {k: rows[0].get(k) for k in ("model", "task", "split", "max_tokens")}, records)
+    rows = records_to_merge(records)
+    check_same_run(rows, {k: rows[0].get(k) for k in ("model", "task", "split", "max_tokens")}, records)
     by: dict[str, dict[str, dict]] = {}
     for r in rows:
         by.setdefault(r["setting"], {})[r["id"]] = r

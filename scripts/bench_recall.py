@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (ROOT, ArgParser, append_record, calibration_record, csv_of, log,  # noqa: E402
-                      provenance, read_records, run_or_merge, save_json, with_calibration)
+                      provenance, read_records, records_to_merge, run_or_merge, save_json, with_calibration)
 
 PROG = "bench_recall"
 FACTS = [("code", "My locker code is {v}.", "What is my locker code? Answer with the code only.",
@@ -152,7 +152,7 @@ def merge(args) -> int:
     from epikv_local.errors import ConfigError
     from epikv_local.eval.accuracy import mcnemar, paired_bootstrap, recovered_share
 
-    rows = read_records(Path(args.records))
+    rows = records_to_merge(args.records)
     if len({r.get("task") for r in rows}) > 1:
         raise ConfigError(f"{args.records} holds outcomes of both tasks: merge one task's records at a time")
     by: dict[str, dict[str, dict]] = {}

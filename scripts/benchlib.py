@@ -72,6 +72,15 @@ def run_or_merge(prog: str, parser: argparse.ArgumentParser, run, merge, argv: l
     return run_main(prog, main, argv)
 
 
+def records_to_merge(path: str | os.PathLike) -> list[dict]:
+    """:func:`read_records` for ``--merge``: a ConfigError when the file is missing or holds no record, where a
+    run would start one (a merge of nothing would write an empty result or fail on its first row)."""
+    rows = read_records(path)
+    if not rows:
+        raise ConfigError(f"{path}: no records to merge" if Path(path).exists() else f"{path} not found")
+    return rows
+
+
 def read_records(path: str | os.PathLike, required: tuple[str, ...] = ("setting", "id", "correct")) -> list[dict]:
     """The records of a JSONL records file (none when it does not exist). A torn last line (a run killed while
     writing it) is left out; any other line that is not a record with the ``required`` keys is one ConfigError

@@ -246,6 +246,18 @@ def test_accuracy_and_recall_bad_input_is_one_line(tmp_path, script):
         assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("script", ["bench_accuracy.py", "bench_recall.py"])
+def test_a_merge_of_no_records_is_one_line_and_writes_nothing(tmp_path, script):
+    empty, torn, out = tmp_path / "empty.jsonl", tmp_path / "torn.jsonl", tmp_path / "out.json"
+    empty.write_text("")
+    torn.write_text('{"setting": "full", "id"')  # only a torn last line: what a run killed at once leaves
+    for records, why in ((tmp_path / "missing.jsonl", "not found"), (empty, "no records"), (torn, "no records")):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--merge", "--records", str(records),
+                            "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, r.stderr
+        assert not out.exists()
+
+
 def _tiny_gsm8k(tmp_path) -> Path:
     data = tmp_path / "data"
     data.mkdir()
