@@ -17,7 +17,7 @@
 #   passkey    recall (a): a code at depths 0.1-0.9 of CONTEXT tokens of dev trace text, RECALL_BUDGET cells,
 #              the prompt counted
 #   multiturn  recall (b): facts in turns 2-4, asked in turn 8, RECALL_BUDGET cells
-#   merge      the summaries of every records file present
+#   merge      the summaries of every records file present and not empty
 #
 # BUDGETS_COUNTED / BUDGETS_PROTECTED (comma-separated) override the dev choice. The full size is hours on 2
 # cores (about 10 s per answer); docs/benchmarks.md gives the parts' costs and results.
@@ -109,12 +109,12 @@ for part in $PARTS; do
             --budgets "$RECALL_BUDGET" --policies "$RECALL_POLICIES" --records "$OUT/recall_multiturn_$TAG.jsonl" ;;
     merge)
         for f in "$OUT/accuracy_gsm8k_dev_$TAG" "$OUT/accuracy_gsm8k_$TAG" "$OUT/accuracy_math_l123_$TAG"; do
-            if [ -f "$f.jsonl" ]; then
+            if [ -s "$f.jsonl" ]; then  # a run stopped before its first answer leaves an empty file
                 "$PY" scripts/bench_accuracy.py --merge --records "$f.jsonl" --out "$f.json"
             fi
         done
         for f in "$OUT/recall_passkey_$TAG" "$OUT/recall_multiturn_$TAG"; do
-            if [ -f "$f.jsonl" ]; then
+            if [ -s "$f.jsonl" ]; then  # a run stopped before its first answer leaves an empty file
                 "$PY" scripts/bench_recall.py --merge --records "$f.jsonl" --out "$f.json"
             fi
         done ;;
