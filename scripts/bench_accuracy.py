@@ -229,15 +229,13 @@ LOSS_TARGETS = (0.75, 0.5, 0.25)
 
 def streaming_losses(by: dict[str, dict[str, dict]], full: dict[str, dict], prompt: str) -> dict[int, float]:
     """{budget: share of the full cache's right answers (``full``: its records by id) that StreamingLLM at that
-    budget gets wrong}, paired on the problems both settings answered, for one prompt mode."""
-    out = {}
-    for name, recs in by.items():
-        if not name.startswith("streaming@") or not name.endswith(f"/{prompt}"):
-            continue
-        right = [i for i in full if full[i]["correct"] and i in recs]
-        if right:
-            out[int(name.split("@")[1].split("/")[0])] = sum(not recs[i]["correct"] for i in right) / len(right)
-    return out
+    budget gets wrong}, for one prompt mode, on the problems the full cache and every StreamingLLM budget
+    answered: a budget run on more problems (to compare a policy there) must not move the choice by its sample."""
+    runs = {int(name.split("@")[1].split("/")[0]): recs for name, recs in by.items()
+            if name.startswith("streaming@") and name.endswith(f"/{prompt}")}
+    common = set(full).intersection(*runs.values()) if runs else set()
+    right = sorted(i for i in common if full[i]["correct"])
+    return {b: sum(not recs[i]["correct"] for i in right) / len(right) for b, recs in runs.items()} if right else {}
 
 
 def choose_budgets(losses: dict[int, float]) -> dict:

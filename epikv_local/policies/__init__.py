@@ -68,6 +68,9 @@ _SPECS = [
                "a base scorer within each (streaming)"),
     PolicySpec("said_epikv", SaidEpikvPolicy, help="as said, EPIKV's score within each group (the default: on one "
                "protected prompt it is epikv)"),
+    PolicySpec("said_prompt", SaidEpikvPolicy, {"prompt": True, "share": 0.5},
+               "as said_epikv, the starting prompt in the given tier too (at most half the cache): with the prompt "
+               "counted against the budget, the question is kept before the model's own text"),
     PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
                "cache at most); EPIKV's score within each"),
     PolicySpec("rkv_redundancy", RKVRedundancyPolicy, help="R-KV's redundancy term: older near-duplicate keys go"),

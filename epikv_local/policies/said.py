@@ -22,6 +22,13 @@ crowd out all of the model's own text outside the recent window. Tokens decoded 
 text) count as the model's own: the policy is then its base. On one prompt every given token is left to the
 base, so ``said_epikv`` evicts exactly as ``epikv`` (tested, prompt protected and counted).
 
+``prompt=True`` puts the starting prompt in the given tier too. It changes nothing while the prompt is
+protected (its cells are outside the selection); with the prompt counted against the budget (the papers'
+setting) the question of a word problem is then kept before the model's reasoning, up to ``share`` of the
+cells, the oldest words first (the system text and the question come before the instruction that ends a
+prompt). Registered as ``said_prompt`` (``share=0.5``): the `facts` policy kept a GSM8K question's digits and
+lost the words that say what they count; this keeps the words too.
+
 ``base``: ``streaming`` (oldest first), ``epikv`` (the residual-stream score; ``layers`` and ``window`` as
 :class:`EpikvPolicy`) or ``keydiff``. Signals read: the base's (none for streaming), so flash attention stays
 on. Designed on the recall benchmark's dev conversations (seeds below 1000) only.
@@ -51,6 +58,7 @@ class SaidPolicy(Policy):
     base: str = "streaming"
     share: float = 1.0
     given_order: str = "oldest"
+    prompt: bool = False
     layers: tuple[int, ...] | None = None
     window: int = 128
 
@@ -60,6 +68,8 @@ class SaidPolicy(Policy):
         check_float("said", "share", self.share, 0.0, 1.0)
         if self.given_order not in ORDERS:
             raise ConfigError(f"said: given_order must be one of {', '.join(ORDERS)}, got {self.given_order!r}")
+        if not isinstance(self.prompt, (bool, np.bool_)):
+            raise ConfigError(f"said: prompt must be true or false, got {self.prompt!r}")
         self._base: Policy = {"streaming": lambda: StreamingLLM(),
                               "epikv": lambda: EpikvPolicy(layers=self.layers, window=self.window),
                               "keydiff": lambda: KeyDiffPolicy()}[self.base]()
@@ -78,9 +88,9 @@ class SaidPolicy(Policy):
     def observe(self, obs: Observation) -> None:
         self._base.observe(obs)
         given = np.zeros(len(obs.positions), dtype=bool) if obs.given is None else np.asarray(obs.given, dtype=bool)
-        # the prompt that starts a sequence stays the base's: protected by the budget, or counted against it
-        # (the papers' setting), where the tier would overrule the base on every token
-        self._given.set(obs.positions, (given & self._answered).astype(np.float64))
+        # the prompt that starts a sequence stays the base's unless ``prompt``: protected by the budget, or counted
+        # against it (the papers' setting), where the tier would overrule the base on every token
+        self._given.set(obs.positions, (given & (self._answered or self.prompt)).astype(np.float64))
         self._answered = self._answered or not given.all()
 
     def score(self, positions: np.ndarray) -> np.ndarray:

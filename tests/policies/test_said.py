@@ -42,6 +42,30 @@ def test_the_starting_prompt_is_left_to_the_base():
     assert s.max() <= 1.0 and np.array_equal(np.argsort(s), np.arange(20))
 
 
+def test_prompt_puts_the_starting_prompt_in_the_tier_up_to_its_share():
+    """``said_prompt``: with the prompt counted, the question (the oldest given words first) outranks the model's
+    own tokens, but only ``share`` of the live cells keep the tier."""
+    named = make_policy("said_prompt")
+    assert (named.prompt, named.share, named.base) == (True, 0.5, "epikv") and make_policy("said_epikv").prompt is False
+    p = fed(make_policy("said", prompt=True, share=0.5), (range(0, 6), True), (range(6, 16), False))
+    s = p.score(np.arange(16))
+    assert s[0:6].min() > s[6:16].max()  # 6 of 16 given: all within round(0.5 * 16) = 8
+    assert np.all(np.diff(s[0:6]) < 0)  # oldest kept longest
+    q = fed(make_policy("said", prompt=True, share=0.5), (range(0, 12), True), (range(12, 16), False))
+    t = q.score(np.arange(16))
+    assert np.flatnonzero(t >= 2.0).tolist() == list(range(8))  # the share bounds it: the 8 oldest
+    r = fed(make_policy("said", prompt=True, share=1.0), (range(0, 12), True), (range(12, 16), False))
+    assert np.flatnonzero(r.score(np.arange(16)) >= 2.0).tolist() == list(range(12))
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_prompt_setting_is_a_bool(bad):
+    from epikv_local.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="prompt must be true or false"):
+        make_policy("said", prompt=bad)
+
+
 @pytest.mark.parametrize("order,tier", [("oldest", [6, 7, 8, 9]), ("base", [12, 13, 14, 15])])
 def test_share_bounds_the_given_tier(order, tier):
     p = fed(make_policy("said", share=0.25, given_order=order), (range(0, 2), True), (range(2, 6), False),
@@ -103,3 +127,19 @@ def test_on_one_prompt_said_epikv_is_epikv(model, protect):
             res = generate(s, prompt, 160, SamplingConfig(), ignore_eog=True)
             runs[name] = (res.tokens, [ev.evicted.tolist() for ev in s.events])
     assert runs["epikv"][1] and runs["said_epikv"] == runs["epikv"]
+
+
+def test_said_prompt_keeps_a_counted_prompt_where_epikv_evicts_it(model):
+    """A 24-token question counted against a 96-cell budget, then 200 generated tokens: ``said_prompt`` keeps
+    every cell of the question (24 < half of 96), EPIKV evicts some of it; both stay within the budget."""
+    prompt = model.tokenize("A farm has 37 cows and twice as many sheep. How many animals live on the farm?")
+    assert 16 <= len(prompt) <= 40
+    budget = BudgetConfig(kv_budget=96, n_recent=32, evict_chunk=8, protect_prompt=False)
+    kept = {}
+    for name in ("said_prompt", "epikv"):
+        with Session(model, make_policy(name), budget, SessionConfig(n_threads=2)) as s:
+            generate(s, prompt, 200, SamplingConfig(), ignore_eog=True)
+            assert s.stats().max_live <= 96 and s.stats().n_evicted > 0
+            kept[name] = np.isin(np.arange(len(prompt)), s.live_positions()).mean()
+    assert kept["said_prompt"] == 1.0
+    assert kept["epikv"] < 1.0

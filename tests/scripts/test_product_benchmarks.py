@@ -154,7 +154,12 @@ def test_accuracy_merge_chooses_three_budgets_on_dev_records(tmp_path):
 
     for split, chosen in (("dev", [100, 150, 200]), ("test", None)):  # (100, 150, 250) ties: the first
         records, out = tmp_path / f"{split}.jsonl", tmp_path / f"{split}.json"
-        records.write_text("".join(json.dumps(r) + "\n" for r in rows(split)))
+        # problems p10..p19 ran only with the full cache (all right) and at 150 cells (all wrong): a budget run on
+        # more problems does not move the choice, made on the problems every budget answered
+        extra = [{**base, "split": split, "setting": name, "policy": policy, "budget": budget, "id": f"p{i}",
+                  "correct": budget is None} for i in range(10, 20)
+                 for name, policy, budget in (("full/counted", "none", None), ("streaming@150/counted", "streaming", 150))]
+        records.write_text("".join(json.dumps(r) + "\n" for r in [*rows(split), *extra]))
         d = run("bench_accuracy.py", "--merge", "--records", records, "--out", out)
         if chosen is None:
             assert "budget_choice" not in d
