@@ -10,7 +10,8 @@ in one process, and the script reports the median of the per-round ratios to ``p
 * ``epikv/layer_out``  EPIKV, capture through the patched llama_set_layer_capture (the default);
 * ``epikv/callback``   EPIKV, capture through the C eval callback (one graph split per captured layer);
 * ``streaming``        StreamingLLM through the same engine (eviction cost without capture);
-* ``facts``            EPIKV plus the digit marks and the numbers' tier (``policies/facts.py``; not run by default).
+* ``facts``            EPIKV plus the digit marks and the numbers' tier (``policies/facts.py``; not run by default);
+* ``said_prompt``      EPIKV plus the given marks and the prompt's tier (``policies/said.py``; not run by default).
 
 Steady state at equal occupancy: the prompt fills kv_budget - n_batch cells, then ``--tokens`` tokens are
 decoded; plain decoding fills the context's slack, the evicting policies hold it at the budget.
@@ -41,7 +42,10 @@ VARIANTS = {
     "epikv/callback": dict(policy="epikv", flash_attn=True, route="callback", verify=True),
     "streaming": dict(policy="streaming", flash_attn=True, route="layer_out", verify=True),
     "facts": dict(policy="facts", flash_attn=True, route="layer_out", verify=True),
+    "said_prompt": dict(policy="said_prompt", flash_attn=True, route="layer_out", verify=True),
 }
+#: variants of one policy each, run when named (``--variants``), not by default
+EXTRA = ("facts", "said_prompt")
 
 
 def main(argv=None) -> int:
@@ -52,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per run")
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds over all variants")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "facts"))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in EXTRA))
     ap.add_argument("--out", default=str(ROOT / "results" / "overhead.json"))
     args = ap.parse_args(argv)
 
