@@ -198,6 +198,12 @@ def check_float(owner: str, name: str, value, lo: float, hi: float = float("inf"
         raise ConfigError(f"{owner}: {name} must be {what} {rng}, got {value!r}")
 
 
+def check_bool(owner: str, name: str, value) -> None:
+    """ConfigError unless ``value`` is a bool (a 1 or a "yes" is refused, not read as true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{owner}: {name} must be true or false, got {value!r}")
+
+
 def check_int(owner: str, name: str, value, lo: int, hi: int | None = None) -> None:
     """ConfigError unless ``value`` is an int in [lo, hi] (hi None: unbounded)."""
     ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

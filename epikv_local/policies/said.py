@@ -42,7 +42,8 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import ConfigError
-from .base import ModelShape, Observation, Policy, PositionScores, Signals, check_float, lift_tier, rank01
+from .base import (ModelShape, Observation, Policy, PositionScores, Signals, check_bool, check_float, lift_tier,
+                   rank01)
 from .epikv import EpikvPolicy
 from .keydiff import KeyDiffPolicy
 from .streaming import StreamingLLM
@@ -68,8 +69,7 @@ class SaidPolicy(Policy):
         check_float("said", "share", self.share, 0.0, 1.0)
         if self.given_order not in ORDERS:
             raise ConfigError(f"said: given_order must be one of {', '.join(ORDERS)}, got {self.given_order!r}")
-        if not isinstance(self.prompt, (bool, np.bool_)):
-            raise ConfigError(f"said: prompt must be true or false, got {self.prompt!r}")
+        check_bool("said", "prompt", self.prompt)
         self._base: Policy = {"streaming": lambda: StreamingLLM(),
                               "epikv": lambda: EpikvPolicy(layers=self.layers, window=self.window),
                               "keydiff": lambda: KeyDiffPolicy()}[self.base]()

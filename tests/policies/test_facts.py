@@ -8,10 +8,6 @@ import copy
 import numpy as np
 import pytest
 
-from epikv_local.api.generation import generate
-from epikv_local.engine.budget import BudgetConfig
-from epikv_local.engine.sampling import SamplingConfig
-from epikv_local.engine.session import Session, SessionConfig
 from epikv_local.errors import ConfigError
 from epikv_local.policies import ModelShape, Observation, make_policy
 
@@ -78,7 +74,7 @@ def test_bad_settings_are_refused(bad):
         make_policy("facts", **bad)
 
 
-def test_the_prompts_numbers_survive_where_epikv_evicts_them(model):
+def test_the_prompts_numbers_survive_where_epikv_evicts_them(model, kept_of_counted_prompt):
     """A counted prompt with numbers early in it, then 200 generated tokens at a budget of 96 cells: ``facts``
     keeps every digit of the prompt (and the engine marked exactly the tokens whose text has a digit); EPIKV
     evicts some of them."""
@@ -86,12 +82,6 @@ def test_the_prompts_numbers_survive_where_epikv_evicts_them(model):
                             "Tell me a long story about the farm and its animals.")
     digits = [i for i, t in enumerate(prompt) if any(c.isdigit() for c in model.token_bytes(t).decode("utf-8", "replace"))]
     assert len(digits) >= 3
-    budget = BudgetConfig(kv_budget=96, n_recent=32, evict_chunk=8, protect_prompt=False)
-    kept = {}
-    for name in ("facts", "epikv"):
-        with Session(model, make_policy(name), budget, SessionConfig(n_threads=2)) as s:
-            generate(s, prompt, 200, SamplingConfig(), ignore_eog=True)
-            assert s.stats().max_live <= 96 and s.stats().n_evicted > 0
-            kept[name] = np.isin(digits, s.live_positions()).mean()
+    kept = {name: kept_of_counted_prompt(name, prompt, digits) for name in ("facts", "epikv")}
     assert kept["facts"] == 1.0
     assert kept["epikv"] < 1.0

@@ -129,17 +129,11 @@ def test_on_one_prompt_said_epikv_is_epikv(model, protect):
     assert runs["epikv"][1] and runs["said_epikv"] == runs["epikv"]
 
 
-def test_said_prompt_keeps_a_counted_prompt_where_epikv_evicts_it(model):
+def test_said_prompt_keeps_a_counted_prompt_where_epikv_evicts_it(model, kept_of_counted_prompt):
     """A 24-token question counted against a 96-cell budget, then 200 generated tokens: ``said_prompt`` keeps
     every cell of the question (24 < half of 96), EPIKV evicts some of it; both stay within the budget."""
     prompt = model.tokenize("A farm has 37 cows and twice as many sheep. How many animals live on the farm?")
     assert 16 <= len(prompt) <= 40
-    budget = BudgetConfig(kv_budget=96, n_recent=32, evict_chunk=8, protect_prompt=False)
-    kept = {}
-    for name in ("said_prompt", "epikv"):
-        with Session(model, make_policy(name), budget, SessionConfig(n_threads=2)) as s:
-            generate(s, prompt, 200, SamplingConfig(), ignore_eog=True)
-            assert s.stats().max_live <= 96 and s.stats().n_evicted > 0
-            kept[name] = np.isin(np.arange(len(prompt)), s.live_positions()).mean()
+    kept = {name: kept_of_counted_prompt(name, prompt, np.arange(len(prompt))) for name in ("said_prompt", "epikv")}
     assert kept["said_prompt"] == 1.0
     assert kept["epikv"] < 1.0
