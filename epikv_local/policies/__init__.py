@@ -60,6 +60,8 @@ _SPECS = [
     PolicySpec("epikv", EpikvPolicy, help="EPIKV: rolling z-score of the residual-stream change, two bands"),
     PolicySpec("epikv_lag", EpikvPolicy, {"normalization": "lag"}, "EPIKV with median/MAD normalisation"),
     PolicySpec("epikv_raw", EpikvPolicy, {"normalization": "raw"}, "EPIKV on raw g (no normalisation)"),
+    PolicySpec("epikv_span", EpikvPolicy, {"span": 2}, "EPIKV with each token's score the max within 2 positions "
+               "(keeps spans, not fragments)"),
     PolicySpec("epikv_single", EpikvPolicy, {"ref_layers": (10,)}, "EPIKV with band A only"),
     PolicySpec("epikv_mix", EpikvMixPolicy, help="EPIKV rank-mixed with KeyDiff (and TriAttention); calibrated weights"),
     PolicySpec("triattention", TriAttentionPolicy, help="TriAttention: expected future attention from pre-RoPE "

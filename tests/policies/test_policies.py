@@ -78,11 +78,11 @@ def test_scores_shape_dtype_determinism(name):
 
 def test_registry_and_families():
     assert set(ALL) == {"none", "streaming", "random", "knorm", "keydiff", "lagkv", "epikv", "epikv_lag",
-                        "epikv_raw", "epikv_single", "h2o", "tova", "snapkv", "epikv_mix", "triattention",
+                        "epikv_raw", "epikv_single", "epikv_span", "h2o", "tova", "snapkv", "epikv_mix", "triattention",
                         "rkv_redundancy", "rkv", "said", "said_epikv", "said_prompt", "facts"}
     # traits are class attributes, read from the registry's classes
     assert {n for n in ALL if REGISTRY[n].cls.needs_attention} == {"h2o", "tova", "snapkv", "rkv"}
-    assert {n for n in ALL if REGISTRY[n].cls.calibratable} == {"epikv", "epikv_lag", "epikv_raw", "epikv_single",
+    assert {n for n in ALL if REGISTRY[n].cls.calibratable} == {"epikv", "epikv_lag", "epikv_raw", "epikv_single", "epikv_span",
                                                                 "epikv_mix", "triattention", "said_epikv",
                                                                 "said_prompt"}
     assert [n for n in ALL if not REGISTRY[n].cls.evicts] == ["none"]
@@ -96,11 +96,27 @@ def test_registry_and_families():
         make_policy("h3o")
 
 
+def test_span_lifts_each_token_to_the_best_score_within_span_positions():
+    # EPIKV's scores peak a few tokens after what made them (causal smoothing): a span keeps a code's leading
+    # digits with its trailing ones. Scores set directly: the pooling is over stored per-position scores, so an
+    # evicted neighbour still lifts a live token and a never-decoded one (NaN) lifts nothing.
+    p = make_policy("epikv_span")
+    p._scores.set(np.arange(10), np.array([0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0, -1.0, np.nan]))
+    s = p.score(np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12]))
+    assert s.tolist()[:9] == [0.0, 0.0, 0.0, 3.0, 3.0, 3.0, 3.0, 3.0, 0.0]
+    assert s[9] == 0.0 and np.isnan(s[10])  # 9 never scored: lifted by 7; 12: nothing within 2
+    plain = make_policy("epikv")
+    plain._scores.set(np.arange(10), p._scores.get(np.arange(10)))
+    assert np.array_equal(plain.score(np.arange(9)), p._scores.get(np.arange(9)))  # span 0: the scores as stored
+
+
 @pytest.mark.parametrize("name,options,match", [
     ("streaming", {"layers": (3,)}, "has no setting 'layers'"),
     ("epikv", {"window": 0}, "window"),
     ("epikv", {"layers": (3, 3)}, "distinct"),
     ("epikv", {"normalization": "l2"}, "normalization"),
+    ("epikv", {"span": -1}, "span"),
+    ("epikv_span", {"span": 17}, "span"),
     ("random", {"seed": -1}, "seed"),
     ("snapkv", {"kernel": 0}, "kernel"),
     ("lagkv", {"chunk": 1}, "chunk"),
