@@ -43,9 +43,10 @@ VARIANTS = {
     "streaming": dict(policy="streaming", flash_attn=True, route="layer_out", verify=True),
     "facts": dict(policy="facts", flash_attn=True, route="layer_out", verify=True),
     "said_prompt": dict(policy="said_prompt", flash_attn=True, route="layer_out", verify=True),
+    "epikv_span": dict(policy="epikv_span", flash_attn=True, route="layer_out", verify=True),
 }
 #: variants of one policy each, run when named (``--variants``), not by default
-EXTRA = ("facts", "said_prompt")
+EXTRA = ("facts", "said_prompt", "epikv_span")
 
 
 def main(argv=None) -> int:
