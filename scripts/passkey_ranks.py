@@ -45,7 +45,10 @@ def code_span(tokens_text: list[str], code: str) -> list[int]:
 
 def run(args) -> int:
     from epikv_local.api.llama import Llama
+    from epikv_local.errors import ConfigError
 
+    if args.seeds < 1 or args.context < 64 or args.first_seed < 0 or args.threads < 1:
+        raise ConfigError("--seeds and --threads must be >= 1, --context >= 64, --first-seed >= 0")
     rargs = bench_recall.parser().parse_args(["-m", args.model, "--task", "passkey", "--context", str(args.context),
                                               "--first-seed", str(args.first_seed), "--seeds", str(args.seeds),
                                               "--records", "unused.jsonl"])
