@@ -28,18 +28,21 @@ PROG = "passkey_ranks"
 
 
 def code_span(tokens_text: list[str], code: str) -> list[int]:
-    """Positions of the code's digit tokens: those after the second " secret" (the first is the instruction's)."""
+    """Positions of the code's digit tokens: those after the second " secret" (the first is the instruction's);
+    DataError when the code is not there as whole digit tokens (a tokenizer that merges it with punctuation)."""
+    from epikv_local.errors import DataError
+
     hits = [i for i, t in enumerate(tokens_text) if "secret" in t]
     if len(hits) < 2:
-        raise RuntimeError("passkey context without its fact sentence")
+        raise DataError("passkey context without its fact sentence")
     out, i, got = [], hits[1], ""
-    while got != code and i < hits[1] + 16:
+    while got != code and i < min(hits[1] + 16, len(tokens_text) - 1):
         i += 1
         if tokens_text[i].strip().isdigit():
             out.append(i)
             got += tokens_text[i].strip()
     if got != code:
-        raise RuntimeError(f"code {code} not found as digit tokens after the fact sentence")
+        raise DataError(f"code {code} not found as digit tokens after the fact sentence")
     return out
 
 
@@ -49,9 +52,12 @@ def run(args) -> int:
 
     if args.seeds < 1 or args.context < 64 or args.first_seed < 0 or args.threads < 1:
         raise ConfigError("--seeds and --threads must be >= 1, --context >= 64, --first-seed >= 0")
+    from epikv_local.api.models import default_model_path
+
+    args.model = args.model or str(default_model_path())
     rargs = bench_recall.parser().parse_args(["-m", args.model, "--task", "passkey", "--context", str(args.context),
                                               "--first-seed", str(args.first_seed), "--seeds", str(args.seeds),
-                                              "--records", "unused.jsonl"])
+                                              "--data", args.data, "--records", "unused.jsonl"])
     rows = []
     with Llama(model_path=args.model, kv_budget=args.context + 512, n_ctx=args.context + 512, n_threads=args.threads,
                seed=0, verbose=False, protect_prompt=False, kv_policy="epikv") as llm:
@@ -91,11 +97,13 @@ def run(args) -> int:
 
 def parser() -> ArgParser:
     p = ArgParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("-m", "--model", required=True, help="GGUF model")
+    p.add_argument("-m", "--model", help="GGUF model (default: the default model)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--first-seed", type=int, default=0, help="dev: seeds below 1000")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data", default=str(Path(__file__).resolve().parent.parent.parent / "shared" / "data"),
+                   help="folder holding r1_traces_dev.jsonl")
     p.add_argument("--out", help="JSON of the ranks")
     return p
 

@@ -226,6 +226,26 @@ def test_recall_bench_passkey_and_multiturn(tmp_path):
     assert set(d["settings"]) == {"full", "streaming@160"}
 
 
+def test_passkey_ranks_finds_every_digit_of_each_code(tmp_path):
+    """scripts/passkey_ranks.py on the default model: each case's code is found as its digit tokens after the
+    fact sentence (not the instruction's "secret"), and every digit gets a percentile in both span settings."""
+    data = tmp_path / "data"
+    data.mkdir()
+    trace = " ".join(f"Step {i}: we add {i} and {i + 1} to get {2 * i + 1}." for i in range(200))
+    (data / "r1_traces_dev.jsonl").write_text(json.dumps({"trace": trace}) + "\n")
+    d = run("passkey_ranks.py", "--data", data, "--context", "200", "--seeds", "1", "--out", tmp_path / "r.json")
+    assert [c["depth"] for c in d["cases"]] == [0.1, 0.3, 0.5, 0.7, 0.9]
+    for c in d["cases"]:
+        assert 0 < c["code_start"] < c["n_prompt"]
+        for span in ("span0", "span2"):
+            pct = c[span]["digit_percentiles"]
+            assert pct and all(0.0 <= x <= 100.0 for x in pct)
+            assert 0 <= c[span]["above_weakest_digit"] < c["n_prompt"]
+        assert len(c["span0"]["digit_percentiles"]) == len(c["span2"]["digit_percentiles"])
+    starts = [c["code_start"] for c in d["cases"]]
+    assert starts == sorted(starts) and len(set(starts)) == 5  # deeper cases put the code later
+
+
 def test_recall_merge_reports_the_share_of_streamings_loss_recovered(tmp_path):
     right_of = {("full", None): 12, ("streaming", 256): 0, ("said", 256): 12, ("epikv", 256): 0}
     records, out = tmp_path / "m.jsonl", tmp_path / "m.json"
