@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from epikv_local.errors import DataError  # noqa: E402
 from benchlib import (ROOT, ArgParser, append_record, calibration_record, csv_of, log,  # noqa: E402
                       provenance, read_records, records_to_merge, run_or_merge, save_json, with_calibration)
 
@@ -44,11 +45,14 @@ FILLERS = ["Explain in detail how a bicycle gear system works.", "Describe the w
 
 def haystack(data: Path, model, n_tokens: int, seed: int) -> list[int]:
     """``n_tokens`` tokens of reasoning text (the dev traces, from a seeded start)."""
-    rows = [json.loads(line) for line in (data / "r1_traces_dev.jsonl").open(encoding="utf-8")]
+    path = data / "r1_traces_dev.jsonl"
+    if not path.is_file():
+        raise DataError(f"trace file not found: {path}")
+    rows = [json.loads(line) for line in path.open(encoding="utf-8")]
     text = "\n\n".join(r["trace"] for r in random.Random(seed).sample(rows, len(rows)))
     tokens = model.tokenize(text.encode("utf-8"), add_bos=False)
     if len(tokens) < n_tokens:
-        raise ValueError(f"the dev traces have {len(tokens)} tokens, fewer than --context {n_tokens}")
+        raise DataError(f"the dev traces have {len(tokens)} tokens, fewer than --context {n_tokens}")
     return tokens[:n_tokens]
 
 
@@ -64,14 +68,20 @@ def passkey_cases(args) -> list[dict]:
             for depth in args.depths for seed in seeds_of(args)]
 
 
-def run_passkey(llm, case: dict, args) -> tuple[str, dict]:
+def passkey_messages(llm, case: dict, args) -> list[dict]:
+    """The chat of one passkey case: ``--context`` tokens of dev-trace text with the fact sentence at the case's
+    depth, between an instruction and the question (also read by scripts/passkey_ranks.py)."""
     hay = haystack(Path(args.data), llm, args.context, case["seed"])
     at = int(case["depth"] * len(hay))
     fact = llm.tokenize(f"\n\nThe secret code is {case['code']}. Remember it.\n\n".encode(), add_bos=False)
     context = llm.detokenize(hay[:at] + fact + hay[at:]).decode("utf-8", "replace")
-    messages = [{"role": "user", "content": "Read the notes below; a secret code is hidden in them.\n\n" + context
-                 + "\n\nWhat is the secret code? Answer with the number only."}]
-    out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.answer_tokens)
+    return [{"role": "user", "content": "Read the notes below; a secret code is hidden in them.\n\n" + context
+             + "\n\nWhat is the secret code? Answer with the number only."}]
+
+
+def run_passkey(llm, case: dict, args) -> tuple[str, dict]:
+    out = llm.create_chat_completion(messages=passkey_messages(llm, case, args), temperature=0,
+                                     max_tokens=args.answer_tokens)
     return out["choices"][0]["message"].get("content") or "", [out]
 
 

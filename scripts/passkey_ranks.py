@@ -48,10 +48,12 @@ def code_span(tokens_text: list[str], code: str) -> list[int]:
 
 def run(args) -> int:
     from epikv_local.api.llama import Llama
-    from epikv_local.errors import ConfigError
+    from epikv_local.errors import ConfigError, DataError
 
-    if args.seeds < 1 or args.context < 64 or args.first_seed < 0 or args.threads < 1:
-        raise ConfigError("--seeds and --threads must be >= 1, --context >= 64, --first-seed >= 0")
+    if args.seeds < 1 or not 64 <= args.context <= 32768 or args.first_seed < 0 or args.threads < 1:
+        raise ConfigError("--seeds and --threads must be >= 1, --context in 64..32768, --first-seed >= 0")
+    if not (Path(args.data) / "r1_traces_dev.jsonl").is_file():
+        raise DataError(f"trace file not found: {Path(args.data) / 'r1_traces_dev.jsonl'}")
     from epikv_local.api.models import default_model_path
 
     args.model = args.model or str(default_model_path())
@@ -64,12 +66,7 @@ def run(args) -> int:
         policy = llm._session.policy
         for case in bench_recall.passkey_cases(rargs):
             llm.reset()
-            hay = bench_recall.haystack(Path(rargs.data), llm, args.context, case["seed"])
-            at = int(case["depth"] * len(hay))
-            fact = llm.tokenize(f"\n\nThe secret code is {case['code']}. Remember it.\n\n".encode(), add_bos=False)
-            context = llm.detokenize(hay[:at] + fact + hay[at:]).decode("utf-8", "replace")
-            messages = [{"role": "user", "content": "Read the notes below; a secret code is hidden in them.\n\n"
-                         + context + "\n\nWhat is the secret code? Answer with the number only."}]
+            messages = bench_recall.passkey_messages(llm, case, rargs)
             out = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=1)
             n = out["usage"]["prompt_tokens"]
             text = [llm.detokenize([t]).decode("utf-8", "replace") for t in llm._session.tokens[:n]]

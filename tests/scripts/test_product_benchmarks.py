@@ -22,6 +22,15 @@ def run(script: str, *args, timeout=600) -> dict:
     return json.loads(out.read_text())
 
 
+def trace_data(tmp_path) -> Path:
+    """A data folder whose r1_traces_dev.jsonl is one synthetic trace of arithmetic steps."""
+    data = tmp_path / "data"
+    data.mkdir()
+    trace = " ".join(f"Step {i}: we add {i} and {i + 1} to get {2 * i + 1}." for i in range(200))
+    (data / "r1_traces_dev.jsonl").write_text(json.dumps({"trace": trace}) + "\n")
+    return data
+
+
 def test_multiturn(tmp_path):
     d = run("bench_multiturn.py", "--rounds", "1", "--turn1-tokens", "60", "--kv-budget", "96", "--out",
             tmp_path / "m.json")
@@ -211,10 +220,7 @@ def test_accuracy_merge_writes_strict_json_when_streaming_loses_nothing(tmp_path
 
 
 def test_recall_bench_passkey_and_multiturn(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    trace = " ".join(f"Step {i}: we add {i} and {i + 1} to get {2 * i + 1}." for i in range(200))
-    (data / "r1_traces_dev.jsonl").write_text(json.dumps({"trace": trace}) + "\n")
+    data = trace_data(tmp_path)
     d = run("bench_recall.py", "--data", data, "--task", "passkey", "--context", "300", "--budgets", "96",
             "--policies", "streaming", "--depths", "0.5", "--seeds", "1", "--records", tmp_path / "p.jsonl",
             "--out", tmp_path / "p.json")
@@ -229,10 +235,7 @@ def test_recall_bench_passkey_and_multiturn(tmp_path):
 def test_passkey_ranks_finds_every_digit_of_each_code(tmp_path):
     """scripts/passkey_ranks.py on the default model: each case's code is found as its digit tokens after the
     fact sentence (not the instruction's "secret"), and every digit gets a percentile in both span settings."""
-    data = tmp_path / "data"
-    data.mkdir()
-    trace = " ".join(f"Step {i}: we add {i} and {i + 1} to get {2 * i + 1}." for i in range(200))
-    (data / "r1_traces_dev.jsonl").write_text(json.dumps({"trace": trace}) + "\n")
+    data = trace_data(tmp_path)
     d = run("passkey_ranks.py", "--data", data, "--context", "200", "--seeds", "1", "--out", tmp_path / "r.json")
     assert [c["depth"] for c in d["cases"]] == [0.1, 0.3, 0.5, 0.7, 0.9]
     for c in d["cases"]:
