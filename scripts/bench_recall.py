@@ -43,12 +43,17 @@ FILLERS = ["Explain in detail how a bicycle gear system works.", "Describe the w
            "Write a long story about a lighthouse keeper.", "Explain how compound interest works, with examples."]
 
 
-def haystack(data: Path, model, n_tokens: int, seed: int) -> list[int]:
-    """``n_tokens`` tokens of reasoning text (the dev traces, from a seeded start)."""
-    path = data / "r1_traces_dev.jsonl"
+def trace_file(data: Path) -> Path:
+    """The dev traces' file in the data folder ``data``; DataError when it is missing."""
+    path = Path(data) / "r1_traces_dev.jsonl"
     if not path.is_file():
         raise DataError(f"trace file not found: {path}")
-    rows = [json.loads(line) for line in path.open(encoding="utf-8")]
+    return path
+
+
+def haystack(data: Path, model, n_tokens: int, seed: int) -> list[int]:
+    """``n_tokens`` tokens of reasoning text (the dev traces, from a seeded start)."""
+    rows = [json.loads(line) for line in trace_file(data).open(encoding="utf-8")]
     text = "\n\n".join(r["trace"] for r in random.Random(seed).sample(rows, len(rows)))
     tokens = model.tokenize(text.encode("utf-8"), add_bos=False)
     if len(tokens) < n_tokens:
@@ -118,6 +123,8 @@ def run(args) -> int:
 
     model = args.model or str(default_model_path())
     check_policies(args.policies)  # a typo is refused before any file or answer
+    if args.task == "passkey":
+        trace_file(args.data)  # so is a missing trace file
     records = Path(args.records)
     append_record(records, None)
     rows = read_records(records)

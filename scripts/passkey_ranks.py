@@ -48,12 +48,11 @@ def code_span(tokens_text: list[str], code: str) -> list[int]:
 
 def run(args) -> int:
     from epikv_local.api.llama import Llama
-    from epikv_local.errors import ConfigError, DataError
+    from epikv_local.errors import ConfigError
 
     if args.seeds < 1 or not 64 <= args.context <= 32768 or args.first_seed < 0 or args.threads < 1:
         raise ConfigError("--seeds and --threads must be >= 1, --context in 64..32768, --first-seed >= 0")
-    if not (Path(args.data) / "r1_traces_dev.jsonl").is_file():
-        raise DataError(f"trace file not found: {Path(args.data) / 'r1_traces_dev.jsonl'}")
+    bench_recall.trace_file(args.data)  # a missing file is refused before the model loads
     from epikv_local.api.models import default_model_path
 
     args.model = args.model or str(default_model_path())
