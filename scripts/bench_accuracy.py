@@ -65,10 +65,14 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.open(encoding="utf-8") if line.strip()]
 
 
-def settings_of(policies: list[str], budgets: list[int], with_full: bool) -> list[tuple[str, str, int | None]]:
-    """[(name, policy, budget)]: ``full`` first, then each policy at each budget."""
+def settings_of(policies: list[str], budgets: list[int], with_full: bool,
+                recent_fraction: float | None = None) -> list[tuple[str, str, int | None]]:
+    """[(name, policy, budget)]: ``full`` first, then each policy at each budget; a recent share other than the
+    product's default is part of a policy's name (``said_prompt@192~recent0.25``), so its records never mix with
+    the default's."""
     out = [("full", "none", None)] if with_full else []
-    return out + [(f"{p}@{b}", p, b) for b in budgets for p in policies]
+    tail = "" if recent_fraction is None else f"~recent{recent_fraction:g}"
+    return out + [(f"{p}@{b}{tail}", p, b) for b in budgets for p in policies]
 
 
 def check_same_run(rows: list[dict], config: dict, records: Path) -> None:
@@ -98,6 +102,11 @@ def run(args) -> int:
     if not problems:
         raise ConfigError("no problems selected (check --task, --split, --levels, --offset, --limit)")
     check_policies(args.policies)  # a typo is refused before any file or answer
+    if args.recent_fraction is not None:
+        if not 0.0 <= args.recent_fraction < 1.0:
+            raise ConfigError(f"--recent-fraction must be in [0, 1), got {args.recent_fraction}")
+        if args.calibration:
+            raise ConfigError("--recent-fraction with --calibration: a calibration brings its own recent share")
     records = Path(args.records)
     append_record(records, None)
     config = {"model": Path(model).name, "task": args.task, "split": args.split, "max_tokens": args.max_tokens}
@@ -106,13 +115,15 @@ def run(args) -> int:
     done = {(r["setting"], r["id"]) for r in rows}
     protect = args.prompt == "protected"
     policies, cal, cal_name = with_calibration(args, model, rows, records)
-    for name, policy, budget in settings_of(policies, args.budgets, not args.no_full):
+    for name, policy, budget in settings_of(policies, args.budgets, not args.no_full, args.recent_fraction):
         todo = [p for p in problems if (f"{name}/{args.prompt}", p["id"]) not in done]
         if not todo:
             continue
         kv_budget = budget if budget is not None else args.full_budget
         log(f"{name} ({args.prompt} prompt): {len(todo)} problems")
         how = llama_policy_args(policy, budget, cal)
+        if args.recent_fraction is not None and budget is not None:
+            how["recent_fraction"] = args.recent_fraction
         with Llama(model_path=model, kv_budget=kv_budget, protect_prompt=protect, n_threads=args.threads, seed=0,
                    verbose=False, flash_attn=not policy_spec(how["kv_policy"]).cls.needs_attention, **how) as llm:
             for p in todo:
@@ -137,6 +148,8 @@ def run(args) -> int:
                        "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2),
                        "text": text if args.keep_text else None}
                 rec.update(calibration_record(how, cal_name))
+                if args.recent_fraction is not None and budget is not None:
+                    rec["recent_fraction"] = args.recent_fraction
                 append_record(records, rec)  # one whole line per outcome: resumable
                 log(f"  {p['id']}: {'right' if g.correct else 'wrong'} ({g.answer!r:.30} vs {p['gold']!r:.30}), "
                     f"{rec['n_generated']} tokens, {rec['n_evicted']} evicted, {rec['seconds']} s")
@@ -232,7 +245,7 @@ def streaming_losses(by: dict[str, dict[str, dict]], full: dict[str, dict], prom
     budget gets wrong}, for one prompt mode, on the problems the full cache and every StreamingLLM budget
     answered: a budget run on more problems (to compare a policy there) must not move the choice by its sample."""
     runs = {int(name.split("@")[1].split("/")[0]): recs for name, recs in by.items()
-            if name.startswith("streaming@") and name.endswith(f"/{prompt}")}
+            if name.startswith("streaming@") and name.endswith(f"/{prompt}") and "~" not in name}
     common = set(full).intersection(*runs.values()) if runs else set()
     right = sorted(i for i in common if full[i]["correct"])
     return {b: sum(not recs[i]["correct"] for i in right) / len(right) for b, recs in runs.items()} if right else {}
@@ -273,6 +286,9 @@ def parser() -> ArgParser:
     p.add_argument("--prompt", choices=["protected", "counted"], default="protected",
                    help="protected: the prompt is kept outside the eviction (the product's default); counted: it "
                         "counts against the budget (the papers' setting)")
+    p.add_argument("--recent-fraction", type=float, default=None,
+                   help="the recent window's share of each budget (default: the product's, 0.5); part of the "
+                        "setting's name")
     p.add_argument("--no-full", action="store_true", help="skip the full-cache setting")
     p.add_argument("--full-budget", type=int, default=4096, help="the full cache's cells (nothing evicted)")
     p.add_argument("--max-tokens", type=int, default=400)

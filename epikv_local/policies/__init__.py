@@ -73,6 +73,8 @@ _SPECS = [
     PolicySpec("said_prompt", SaidEpikvPolicy, {"prompt": True, "share": 0.5},
                "as said_epikv, the starting prompt in the given tier too (at most half the cache): with the prompt "
                "counted against the budget, the question is kept before the model's own text"),
+    PolicySpec("said_facts", SaidEpikvPolicy, {"prompt": True, "share": 0.5, "base": "facts"},
+               "as said_prompt, the model's own numbers (and the tokens beside them) before the rest of its text"),
     PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
                "cache at most); EPIKV's score within each"),
     PolicySpec("rkv_redundancy", RKVRedundancyPolicy, help="R-KV's redundancy term: older near-duplicate keys go"),

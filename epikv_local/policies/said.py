@@ -30,7 +30,7 @@ prompt). Registered as ``said_prompt`` (``share=0.5``): the `facts` policy kept 
 lost the words that say what they count; this keeps the words too.
 
 ``base``: ``streaming`` (oldest first), ``epikv`` (the residual-stream score; ``layers`` and ``window`` as
-:class:`EpikvPolicy`) or ``keydiff``. Signals read: the base's (none for streaming), so flash attention stays
+:class:`EpikvPolicy`), ``keydiff`` or ``facts`` (:class:`FactsPolicy`: numbers and their neighbours, then EPIKV). Signals read: the base's (none for streaming), so flash attention stays
 on. Designed on the recall benchmark's dev conversations (seeds below 1000) only.
 """
 
@@ -45,10 +45,11 @@ from ..errors import ConfigError
 from .base import (ModelShape, Observation, Policy, PositionScores, Signals, check_bool, check_float, lift_tier,
                    rank01)
 from .epikv import EpikvPolicy
+from .facts import FactsPolicy
 from .keydiff import KeyDiffPolicy
 from .streaming import StreamingLLM
 
-BASES = ("streaming", "epikv", "keydiff")
+BASES = ("streaming", "epikv", "keydiff", "facts")
 ORDERS = ("oldest", "base")
 
 
@@ -72,7 +73,8 @@ class SaidPolicy(Policy):
         check_bool("said", "prompt", self.prompt)
         self._base: Policy = {"streaming": lambda: StreamingLLM(),
                               "epikv": lambda: EpikvPolicy(layers=self.layers, window=self.window),
-                              "keydiff": lambda: KeyDiffPolicy()}[self.base]()
+                              "keydiff": lambda: KeyDiffPolicy(),
+                              "facts": lambda: FactsPolicy(layers=self.layers, window=self.window)}[self.base]()
         self._given = PositionScores()  # 1.0: given in a later turn, 0.0: otherwise, NaN: never decoded
         self._answered = False  # the model has produced a token: what is given from now on is a later turn
         super().__post_init__()

@@ -66,6 +66,22 @@ def test_prompt_setting_is_a_bool(bad):
         make_policy("said", prompt=bad)
 
 
+def test_said_facts_puts_the_models_numbers_under_the_prompt_and_over_its_other_text():
+    """``said_facts``: the counted prompt's tier on top, then the model's own numbers and the tokens beside them
+    (the ``facts`` base, which asks the engine for the digit marks), then the rest of its text."""
+    p = make_policy("said_facts")
+    sig = p.bind(SHAPE)
+    assert (p.prompt, p.share, p.base) == (True, 0.5, "facts") and sig.numbers
+    pos = np.arange(20, dtype=np.int64)
+    g = np.random.default_rng(0).random((20, len(sig.g_layers)))  # EPIKV's input: any scores will do
+    p.observe(Observation(positions=pos[:6], g=g[:6], given=np.ones(6, bool), numeric=np.isin(pos[:6], [2])))
+    p.observe(Observation(positions=pos[6:], g=g[6:], given=np.zeros(14, bool), numeric=np.isin(pos[6:], [12])))
+    s = p.score(pos)
+    assert s[0:6].min() > s[6:].max()
+    own = np.setdiff1d(np.arange(6, 20), [11, 12, 13])
+    assert s[[11, 12, 13]].min() > s[own].max()
+
+
 @pytest.mark.parametrize("order,tier", [("oldest", [6, 7, 8, 9]), ("base", [12, 13, 14, 15])])
 def test_share_bounds_the_given_tier(order, tier):
     p = fed(make_policy("said", share=0.25, given_order=order), (range(0, 2), True), (range(2, 6), False),

@@ -262,6 +262,31 @@ def test_recall_merge_reports_the_share_of_streamings_loss_recovered(tmp_path):
     assert "recovered" not in s["streaming@256"] and "recovered" not in s["full"]
 
 
+def test_accuracy_bench_names_a_recent_share_in_the_setting(tmp_path):
+    """--recent-fraction runs each policy with that recent share, under a name of its own that never mixes with
+    the default's records; its comparisons are against the default StreamingLLM at the same budget."""
+    data = _tiny_gsm8k(tmp_path)
+    records, out = tmp_path / "r.jsonl", tmp_path / "a.json"
+    common = ("--data", data, "--budgets", "96", "--prompt", "counted", "--max-tokens", "48", "--records", records,
+              "--out", out)
+    run("bench_accuracy.py", "--policies", "streaming", *common)
+    d = run("bench_accuracy.py", "--policies", "said_prompt", "--recent-fraction", "0.25", "--no-full", *common)
+    s = d["settings"]
+    assert set(s) == {"full/counted", "streaming@96/counted", "said_prompt@96~recent0.25/counted"}
+    recs = [json.loads(x) for x in records.read_text().splitlines()]
+    assert [r.get("recent_fraction") for r in recs if "~" in r["setting"]] == [0.25, 0.25]
+    assert all("recent_fraction" not in r for r in recs if "~" not in r["setting"])
+    assert s["said_prompt@96~recent0.25/counted"]["vs_streaming"]["n"] == 2
+    for bad, why in ((["--recent-fraction", "1.0"], "--recent-fraction"),
+                     (["--recent-fraction", "0.25", "--calibration", "auto"], "calibration")):
+        fresh = tmp_path / "fresh.jsonl"
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_accuracy.py"), "--data", str(data),
+                            "--policies", "streaming", *bad, "--records", str(fresh)], capture_output=True, text=True,
+                           timeout=120, cwd=REPO)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, r.stderr
+        assert not fresh.exists()
+
+
 @pytest.mark.parametrize("script", ["bench_accuracy.py", "bench_recall.py"])
 def test_accuracy_and_recall_bad_input_is_one_line(tmp_path, script):
     bad = tmp_path / "bad.jsonl"
