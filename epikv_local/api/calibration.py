@@ -169,7 +169,8 @@ def resolve_policy(name: str, model_path: str | os.PathLike | None, options: dic
 
     options: settings given by the user (None values are ignored); a setting the policy lacks is a
     ConfigError. A calibratable policy whose calibrated settings were not given takes the model's calibration
-    (and its recent share) when one exists; otherwise the policy's documented defaults apply.
+    (and its recent share, unless the registered configuration has a share of its own) when one exists;
+    otherwise the policy's documented defaults apply.
     kv_budget: the KV budget (cells) it will run at; ``calibrated`` then takes step 3's choice for that budget
     (:meth:`CalibrationResult.selected_for`), else the overall choice.
     """
@@ -189,11 +190,13 @@ def resolve_policy(name: str, model_path: str | os.PathLike | None, options: dic
     if (use_calibration and model_path is not None and spec.cls.calibratable
             and not any(k in opts for k in CALIBRATED_OPTIONS)):
         cal = load_for_model(model_path)
-    recent = DEFAULT_RECENT_FRACTION
+    recent = DEFAULT_RECENT_FRACTION if spec.recent_fraction is None else spec.recent_fraction
     if cal is not None:
         given = cal.policy_options(spec.option_names)
         opts = {**given, **opts}
-        if "layers" in given:  # the recent share was chosen with EPIKV's settings, so it goes with them
+        # the recent share was chosen with EPIKV's settings, so it goes with them, unless this configuration
+        # was designed with a share of its own
+        if "layers" in given and spec.recent_fraction is None:
             recent = cal.recent_fraction
     policy = make_policy(name, **opts)
     return ResolvedPolicy(policy, recent, cal)

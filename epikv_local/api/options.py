@@ -56,7 +56,8 @@ def add_budget_args(p: argparse.ArgumentParser, kv_budget: int = DEFAULT_KV_BUDG
                         f"--no-flash-attn: {', '.join(attn)})")
     p.add_argument("--n-sink", type=int, default=4, metavar="N", help="first tokens never evicted")
     p.add_argument("--n-recent", type=int, default=None, metavar="N",
-                   help="recent tokens kept (default: the recent share of the budget, 0.5 or the calibration's)")
+                   help="recent tokens kept (default: the recent share of the budget: 0.5, the policy's own "
+                        "(said_facts: 0.25) or the calibration's)")
     p.add_argument("--evict-chunk", type=int, default=16, metavar="N", help="minimum positions evicted per round")
     p.add_argument("--no-protect-prompt", action="store_true", help="allow evicting the first prompt's tokens")
     p.add_argument("--layers", type=layers_arg, default=None, metavar="A[,B]",

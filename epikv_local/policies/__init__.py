@@ -43,6 +43,9 @@ class PolicySpec:
     #: True: not a configuration of its own but whatever a model's calibration selected (resolved by the
     #: front doors, ``epikv_local.api.calibration.resolve_policy``, which know the model file)
     from_calibration: bool = False
+    #: the recent window's share of the budget this configuration was designed with (None: the budget's
+    #: default); the front doors use it unless the caller gives a recent window or share
+    recent_fraction: float | None = None
 
     @property
     def option_names(self) -> tuple[str, ...]:
@@ -74,7 +77,8 @@ _SPECS = [
                "as said_epikv, the starting prompt in the given tier too (at most half the cache): with the prompt "
                "counted against the budget, the question is kept before the model's own text"),
     PolicySpec("said_facts", SaidEpikvPolicy, {"prompt": True, "share": 0.5, "base": "facts"},
-               "as said_prompt, the model's own numbers (and the tokens beside them) before the rest of its text"),
+               "as said_prompt, the model's own numbers (and the tokens beside them) before the rest of its text; "
+               "a quarter of the budget for the recent window", recent_fraction=0.25),
     PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
                "cache at most); EPIKV's score within each"),
     PolicySpec("rkv_redundancy", RKVRedundancyPolicy, help="R-KV's redundancy term: older near-duplicate keys go"),

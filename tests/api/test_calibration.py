@@ -97,6 +97,7 @@ def test_load_for_model_without_calibration(tmp_path, monkeypatch):
     assert calibration.load_for_model(f) is None
     res = resolve_policy("epikv", f)
     assert res.calibration is None and res.recent_fraction == 0.5
+    assert resolve_policy("said_facts", f).recent_fraction == 0.25  # the share it was designed with
     assert res.policy.bind(ModelShape(n_layer=30)).g_layers == (9, 20)  # the documented default
     # the content hash is cached and is the sha256 of the file
     import hashlib
@@ -209,6 +210,18 @@ def test_default_model_ships_its_calibration(model_path, tmp_path, monkeypatch):
     # explicit settings win over the calibration; a non-calibratable policy never takes one
     assert resolve_policy("epikv", model_path, {"window": 64}).calibration is None
     assert resolve_policy("streaming", model_path).calibration is None
+    # a configuration designed with a recent share of its own keeps it over the calibration's (its EPIKV
+    # layers and window still come from the calibration); the caller's share wins over both
+    facts = resolve_policy("said_facts", model_path)
+    assert facts.calibration == cal and facts.recent_fraction == 0.25
+    assert facts.policy.bind(ModelShape(n_layer=30)).g_layers == (19,)
+    assert resolve_policy("said_prompt", model_path).recent_fraction == 0.75
+    from epikv_local.api.session_spec import resolve_session
+
+    assert resolve_session(model_path, kv_policy="said_facts", kv_budget=192).budget.recent_window == 48
+    assert resolve_session(model_path, kv_policy="said_facts", kv_budget=192,
+                           recent_fraction=0.5).budget.recent_window == 96
+    assert resolve_session(model_path, kv_policy="said_facts", kv_budget=192, n_recent=64).budget.recent_window == 64
 
 
 def test_calibrate_from_an_installed_package_without_shared_data(model_path, tmp_path):
