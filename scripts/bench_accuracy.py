@@ -67,9 +67,9 @@ def _jsonl(path: Path) -> list[dict]:
 
 def settings_of(policies: list[str], budgets: list[int], with_full: bool,
                 recent_fraction: float | None = None) -> list[tuple[str, str, int | None]]:
-    """[(name, policy, budget)]: ``full`` first, then each policy at each budget; a recent share other than the
-    product's default is part of a policy's name (``said_prompt@192~recent0.25``), so its records never mix with
-    the default's."""
+    """[(name, policy, budget)]: ``full`` first, then each policy at each budget; a recent share given with
+    ``--recent-fraction`` is part of a policy's name (``said_prompt@192~recent0.25``), so its records never mix
+    with those of the policy's own share."""
     out = [("full", "none", None)] if with_full else []
     tail = "" if recent_fraction is None else f"~recent{recent_fraction:g}"
     return out + [(f"{p}@{b}{tail}", p, b) for b in budgets for p in policies]

@@ -30,8 +30,10 @@ prompt). Registered as ``said_prompt`` (``share=0.5``): the `facts` policy kept 
 lost the words that say what they count; this keeps the words too.
 
 ``base``: ``streaming`` (oldest first), ``epikv`` (the residual-stream score; ``layers`` and ``window`` as
-:class:`EpikvPolicy`), ``keydiff`` or ``facts`` (:class:`FactsPolicy`: numbers and their neighbours, then EPIKV). Signals read: the base's (none for streaming), so flash attention stays
-on. Designed on the recall benchmark's dev conversations (seeds below 1000) only.
+:class:`EpikvPolicy`), ``keydiff`` or ``facts`` (:class:`FactsPolicy`: numbers and their neighbours, then EPIKV;
+registered as ``said_facts`` with ``prompt=True`` and a recent share of 0.25). Signals read: the base's (none for
+streaming), so flash attention stays on. Designed on the recall benchmark's dev conversations (seeds below
+1000) only; ``said_facts`` on the first 60 GSM8K dev problems.
 """
 
 from __future__ import annotations
