@@ -122,8 +122,9 @@ def run(args) -> int:
         kv_budget = budget if budget is not None else args.full_budget
         log(f"{name} ({args.prompt} prompt): {len(todo)} problems")
         how = llama_policy_args(policy, budget, cal)
-        if args.recent_fraction is not None and budget is not None:
-            how["recent_fraction"] = args.recent_fraction
+        recent = args.recent_fraction if budget is not None else None  # the full cache evicts nothing
+        if recent is not None:
+            how["recent_fraction"] = recent
         with Llama(model_path=model, kv_budget=kv_budget, protect_prompt=protect, n_threads=args.threads, seed=0,
                    verbose=False, flash_attn=not policy_spec(how["kv_policy"]).cls.needs_attention, **how) as llm:
             for p in todo:
@@ -148,8 +149,8 @@ def run(args) -> int:
                        "max_live_cells": ext["max_live_cells"], "seconds": round(time.perf_counter() - t0, 2),
                        "text": text if args.keep_text else None}
                 rec.update(calibration_record(how, cal_name))
-                if args.recent_fraction is not None and budget is not None:
-                    rec["recent_fraction"] = args.recent_fraction
+                if recent is not None:
+                    rec["recent_fraction"] = recent
                 append_record(records, rec)  # one whole line per outcome: resumable
                 log(f"  {p['id']}: {'right' if g.correct else 'wrong'} ({g.answer!r:.30} vs {p['gold']!r:.30}), "
                     f"{rec['n_generated']} tokens, {rec['n_evicted']} evicted, {rec['seconds']} s")
