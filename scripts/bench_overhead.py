@@ -11,7 +11,8 @@ in one process, and the script reports the median of the per-round ratios to ``p
 * ``epikv/callback``   EPIKV, capture through the C eval callback (one graph split per captured layer);
 * ``streaming``        StreamingLLM through the same engine (eviction cost without capture);
 * ``facts``            EPIKV plus the digit marks and the numbers' tier (``policies/facts.py``; not run by default);
-* ``said_prompt``      EPIKV plus the given marks and the prompt's tier (``policies/said.py``; not run by default).
+* ``said_prompt``      EPIKV plus the given marks and the prompt's tier (``policies/said.py``; not run by default);
+* ``said_facts``       ``said_prompt`` plus the digit marks and the numbers' tier below the prompt's (not run by default).
 
 Steady state at equal occupancy: the prompt fills kv_budget - n_batch cells, then ``--tokens`` tokens are
 decoded; plain decoding fills the context's slack, the evicting policies hold it at the budget.
@@ -43,10 +44,11 @@ VARIANTS = {
     "streaming": dict(policy="streaming", flash_attn=True, route="layer_out", verify=True),
     "facts": dict(policy="facts", flash_attn=True, route="layer_out", verify=True),
     "said_prompt": dict(policy="said_prompt", flash_attn=True, route="layer_out", verify=True),
+    "said_facts": dict(policy="said_facts", flash_attn=True, route="layer_out", verify=True),
     "epikv_span": dict(policy="epikv_span", flash_attn=True, route="layer_out", verify=True),
 }
 #: variants of one policy each, run when named (``--variants``), not by default
-EXTRA = ("facts", "said_prompt", "epikv_span")
+EXTRA = ("facts", "said_prompt", "said_facts", "epikv_span")
 
 
 def main(argv=None) -> int:
