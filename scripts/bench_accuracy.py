@@ -288,8 +288,8 @@ def parser() -> ArgParser:
                    help="protected: the prompt is kept outside the eviction (the product's default); counted: it "
                         "counts against the budget (the papers' setting)")
     p.add_argument("--recent-fraction", type=float, default=None,
-                   help="the recent window's share of each budget (default: the product's, 0.5); part of the "
-                        "setting's name")
+                   help="the recent window's share of each budget (default: what the product gives the policy: its "
+                        "registered share, e.g. said_facts' 0.25, else 0.5); part of the setting's name")
     p.add_argument("--no-full", action="store_true", help="skip the full-cache setting")
     p.add_argument("--full-budget", type=int, default=4096, help="the full cache's cells (nothing evicted)")
     p.add_argument("--max-tokens", type=int, default=400)
