@@ -185,12 +185,14 @@ def one_run(model, spec: dict, prompt: list[int], n_tokens: int, budget: int, n_
     from epikv_local.engine.sampling import SamplingConfig
     from epikv_local.engine.budget import BudgetConfig, context_cells
     from epikv_local.engine.session import Session, SessionConfig
-    from epikv_local.policies import make_policy
+    from epikv_local.policies import make_policy, policy_spec
 
     n_ctx = context_cells(budget, n_batch)
     cfg = SessionConfig(n_batch=n_batch, n_threads=threads, flash_attn=spec["flash_attn"],
                         verify_flash_attn=spec["verify"], capture_route=spec.get("route", "layer_out"), n_ctx=n_ctx)
-    bcfg = BudgetConfig(kv_budget=n_ctx if spec["policy"] == "none" else budget, protect_prompt=False)
+    share = policy_spec(spec["policy"]).recent_fraction  # a policy's own recent share, as the front doors give it
+    bcfg = BudgetConfig(kv_budget=n_ctx if spec["policy"] == "none" else budget, protect_prompt=False,
+                        **({"recent_fraction": share} if share is not None else {}))
     with Session(model, make_policy(spec["policy"]), bcfg, cfg) as s:
         res = generate(s, prompt, n_tokens, SamplingConfig(), ignore_eog=True)
         st = s.stats()
