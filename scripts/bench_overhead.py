@@ -12,7 +12,9 @@ in one process, and the script reports the median of the per-round ratios to ``p
 * ``streaming``        StreamingLLM through the same engine (eviction cost without capture);
 * ``facts``            EPIKV plus the digit marks and the numbers' tier (``policies/facts.py``; not run by default);
 * ``said_prompt``      EPIKV plus the given marks and the prompt's tier (``policies/said.py``; not run by default);
-* ``said_facts``       ``said_prompt`` plus the digit marks and the numbers' tier below the prompt's (not run by default).
+* ``said_facts``       ``said_prompt`` plus the digit marks and the numbers' tier below the prompt's (not run by default);
+* ``surprise``         the model's own surprisal of each token (``policies/surprise.py``: every token's logits, so the
+                       prompt pays the output layer per token; not run by default).
 
 Steady state at equal occupancy: the prompt fills kv_budget - n_batch cells, then ``--tokens`` tokens are
 decoded; plain decoding fills the context's slack, the evicting policies hold it at the budget.
@@ -46,9 +48,10 @@ VARIANTS = {
     "said_prompt": dict(policy="said_prompt", flash_attn=True, route="layer_out", verify=True),
     "said_facts": dict(policy="said_facts", flash_attn=True, route="layer_out", verify=True),
     "epikv_span": dict(policy="epikv_span", flash_attn=True, route="layer_out", verify=True),
+    "surprise": dict(policy="surprise", flash_attn=True, route="layer_out", verify=True),
 }
 #: variants of one policy each, run when named (``--variants``), not by default
-EXTRA = ("facts", "said_prompt", "said_facts", "epikv_span")
+EXTRA = ("facts", "said_prompt", "said_facts", "epikv_span", "surprise")
 
 
 def main(argv=None) -> int:
@@ -89,11 +92,14 @@ def main(argv=None) -> int:
     for v in names:
         tps = [x["tps"] for x in runs[v]]
         ratio, ratios = median_ratio(runs[v], runs["plain"]) if "plain" in runs else (None, [])
+        pre, _ = median_ratio(runs[v], runs["plain"], "prefill_tps") if "plain" in runs else (None, [])
         rounds = sum(x["rounds"] for x in runs[v])
         summary[v] = {
             "median_tokens_per_s": statistics.median(tps),
             "median_ratio_to_plain": ratio,
             "ratios": ratios,
+            "median_prefill_tokens_per_s": statistics.median(x["prefill_tps"] for x in runs[v]),
+            "median_prefill_ratio_to_plain": pre,
             "tokens_per_s": tps,
             "evictions_per_run": runs[v][0]["n_evicted"],
             "mean_eviction_round_ms": 1000 * sum(x["evict_s"] for x in runs[v]) / rounds if rounds else None,
@@ -110,11 +116,12 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "variants": summary,
     }
     write_atomic(args.out, json.dumps(portable(out), indent=1) + "\n")
-    print(f"{'variant':18} {'tok/s':>8} {'ratio':>7} {'evicted/run':>12} {'ms/evict round':>15}")
+    print(f"{'variant':18} {'tok/s':>8} {'ratio':>7} {'prefill':>8} {'evicted/run':>12} {'ms/evict round':>15}")
     for v, s in summary.items():
         ratio = f"{s['median_ratio_to_plain']:.3f}" if s["median_ratio_to_plain"] is not None else "-"
         ms = f"{s['mean_eviction_round_ms']:.3f}" if s["mean_eviction_round_ms"] is not None else "-"
-        print(f"{v:18} {s['median_tokens_per_s']:8.1f} {ratio:>7} {s['evictions_per_run']:12d} {ms:>15}")
+        pre = f"{s['median_prefill_ratio_to_plain']:.3f}" if s["median_prefill_ratio_to_plain"] is not None else "-"
+        print(f"{v:18} {s['median_tokens_per_s']:8.1f} {ratio:>7} {pre:>8} {s['evictions_per_run']:12d} {ms:>15}")
     print(f"written {args.out}")
     return 0
 

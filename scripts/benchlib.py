@@ -196,13 +196,15 @@ def one_run(model, spec: dict, prompt: list[int], n_tokens: int, budget: int, n_
     with Session(model, make_policy(spec["policy"]), bcfg, cfg) as s:
         res = generate(s, prompt, n_tokens, SamplingConfig(), ignore_eog=True)
         st = s.stats()
-        return {"tps": res.stats.decode_tokens_per_s, "n_generated": res.stats.n_generated_tokens,
+        return {"tps": res.stats.decode_tokens_per_s, "prefill_tps": res.stats.prefill_tokens_per_s,
+                "n_generated": res.stats.n_generated_tokens,
                 "n_evicted": st.n_evicted, "rounds": st.n_rounds, "evict_s": st.evict_seconds,
                 "max_live": st.max_live, "n_ctx": st.n_ctx,
                 "flash_attn": st.flash_attn if spec["verify"] else None}
 
 
-def median_ratio(a: list[dict], b: list[dict]) -> tuple[float | None, list[float]]:
-    """Median of the per-round ratios a/b of tokens/s (rounds paired in order)."""
-    ratios = [x["tps"] / y["tps"] for x, y in zip(a, b) if y["tps"] > 0]
+def median_ratio(a: list[dict], b: list[dict], key: str = "tps") -> tuple[float | None, list[float]]:
+    """Median of the per-round ratios a/b of ``key`` (tokens/s: "tps" decode, "prefill_tps" prompt; rounds paired
+    in order)."""
+    ratios = [x[key] / y[key] for x, y in zip(a, b) if y[key] > 0]
     return (statistics.median(ratios) if ratios else None), ratios

@@ -373,7 +373,9 @@ class SequencePool(Closing):
             tokens += req.tokens[req.done:req.done + n]
             pos += p.tolist()
             seqs += [s.seq_id] * n
-            outs += [req.logits_all or (req.logits_last and last and i == n - 1) for i in range(n)]
+            # a policy reading surprisal needs every token's logits (Observation.surprise, Session._surprisal)
+            outs += [req.logits_all or self.signals.surprise or (req.logits_last and last and i == n - 1)
+                     for i in range(n)]
         if not parts:
             return
         members = {id(req.session) for req, *_ in parts}

@@ -129,6 +129,9 @@ class Session(Closing):
         # same prompt again (a branch answering choice i of n, a regeneration) samples from the very same row
         # instead of decoding the last prompt token again (a one-token decode rounds differently from a chunk)
         self._prompt_end: tuple[int, np.ndarray] | None = None
+        # (n_vocab,) logits after the last token decoded, when the policy reads surprisal: the first new token
+        # of the next decode is scored against them (never written in place: a fork shares it)
+        self._surprise_prev: np.ndarray | None = None
         try:
             if not self._owns_pool and policy.bind(model.info.shape) != pool.signals:
                 raise ConfigError(f"policy {policy.name!r} captures other signals than this pool's")
@@ -320,6 +323,7 @@ class Session(Closing):
             self.n_past = 0
             self.tokens = []
             self._prompt_end = None
+            self._surprise_prev = None
 
     def save_state(self, path) -> None:
         """Save the sequence (KV cells with their holes, bookkeeping, policy state) to a file; see ``state``."""
@@ -337,6 +341,7 @@ class Session(Closing):
             state.load(self, path)  # reads and checks the whole file before touching this session
             self._forget_rows()
             self._prompt_end = None
+            self._surprise_prev = None  # the logits after the restored sequence's last token are not in the file
 
     def rewind_to_prefix(self, tokens: list[int]) -> int:
         """Keep the longest common prefix of the sequence and ``tokens`` (cache, evictions and all), drop the
@@ -358,6 +363,8 @@ class Session(Closing):
                     del self.tokens[self.n_past:]
                 if self.n_past == end[0]:  # the prompt's last cell is still held: continue right after it
                     self._rows, self._rows_round, self._kept = [], -1, [end[1].copy()]
+                    if self.pool.signals.surprise:
+                        self._surprise_prev = end[1]
                     return self.n_past
             n = 0
             limit = min(len(tokens) - 1, len(self.tokens))
@@ -366,6 +373,7 @@ class Session(Closing):
             if n < self.n_past:
                 self.n_past = self.engine.truncate(n)
                 del self.tokens[self.n_past:]
+                self._surprise_prev = None  # the logits after the new last token are not kept
             if self._prompt_end is not None and self._prompt_end[0] > self.n_past:
                 self._prompt_end = None
             return self.n_past
@@ -451,8 +459,26 @@ class Session(Closing):
         obs.given = np.full(len(part), given)
         if self.pool.digits is not None:
             obs.numeric = self.pool.digits[np.asarray(part, dtype=np.int64)]
+        if self.pool.signals.surprise:
+            obs.surprise = self._surprisal(part, out_rows)
         self.capture.check_flash_attn(self.cfg.flash_attn)
         self.policy.observe(obs)
+
+    def _surprisal(self, part: list[int], rows: list[int]) -> np.ndarray:
+        """(T,) nats: -log softmax(logits before token i)[token i] for the T tokens just decoded, from the output
+        row of the token before each (the pool asks for every row when the policy reads surprisal) and, for the
+        first, the logits kept from the decode before (NaN when there are none)."""
+        if len(rows) != len(part):
+            raise NativeError(f"surprisal needs a logits row per token: got {len(rows)} rows for {len(part)} tokens")
+        out = np.full(len(part), np.nan)
+        prev = self._surprise_prev
+        for i, token in enumerate(part):
+            if prev is not None:
+                top = float(prev.max())
+                out[i] = top + np.log(np.exp(prev - top, dtype=np.float64).sum()) - float(prev[token])
+            prev = self.ctx.logits(rows[i])  # a view of llama.cpp's output buffer
+        self._surprise_prev = prev.copy()
+        return out
 
     def _forget_rows(self) -> None:
         self._rows, self._rows_round, self._kept = [], -1, None
@@ -474,6 +500,7 @@ class Session(Closing):
                 child.n_past, child.tokens = self.n_past, list(self.tokens)
                 child.capture.set_state(self.capture.state())
                 child._prompt_end = self._prompt_end  # its array is never written (rewind hands out a copy)
+                child._surprise_prev = self._surprise_prev  # never written in place either
                 if self._rows_round == self.pool.round and self._rows:
                     child._kept = [self.ctx.logits(i).copy() for i in self._rows]
                 elif self._kept is not None:

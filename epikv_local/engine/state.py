@@ -668,6 +668,8 @@ def _probe_observation(session, live: list[int], n_past: int) -> Observation:
         obs.queries = np.ones((1, len(plan.query_layers), info.n_head * head), dtype=np.float32)
     if session.pool.digits is not None:
         obs.numeric = np.zeros(1, dtype=bool)
+    if session.pool.signals.surprise:
+        obs.surprise = np.zeros(1)
     if plan.attention_layers:
         n_ctx = max(session.ctx.n_ctx, len(live) + 1)
         obs.cell_pos = np.full(n_ctx, -1, dtype=np.int32)

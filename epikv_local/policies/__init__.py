@@ -28,6 +28,7 @@ from .rkv import RKVPolicy, RKVRedundancyPolicy
 from .said import SaidEpikvPolicy, SaidPolicy
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingLLM
+from .surprise import SurprisePolicy
 from .tova import TOVAPolicy
 from .triattention import TriAttentionPolicy
 
@@ -81,6 +82,8 @@ _SPECS = [
                "a quarter of the budget for the recent window", recent_fraction=0.25),
     PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
                "cache at most); EPIKV's score within each"),
+    PolicySpec("surprise", SurprisePolicy, help="the spans the model did not expect: its own surprisal of each "
+               "token, the best window mean covering it (every token's logits: prefill pays the output layer)"),
     PolicySpec("rkv_redundancy", RKVRedundancyPolicy, help="R-KV's redundancy term: older near-duplicate keys go"),
     PolicySpec("rkv", RKVPolicy, help="R-KV: attention importance minus key redundancy (flash attention off)"),
     PolicySpec("calibrated", Policy, help="the policy, settings and recent share that `epikv-local calibrate` "
@@ -127,7 +130,7 @@ def make_policy(name: "str | PolicySpec", **options) -> Policy:
 
 
 __all__ = ["ModelShape", "Observation", "Policy", "PolicySpec", "Signals", "EpikvPolicy", "StreamingLLM",
-           "NoEviction", "RandomPolicy", "KNormPolicy", "KeyDiffPolicy", "LagKVPolicy", "H2OPolicy", "TOVAPolicy",
+           "NoEviction", "RandomPolicy", "SurprisePolicy", "KNormPolicy", "KeyDiffPolicy", "LagKVPolicy", "H2OPolicy", "TOVAPolicy",
            "SnapKVPolicy", "EpikvMixPolicy", "TriAttentionPolicy", "RKVPolicy", "RKVRedundancyPolicy", "SaidPolicy", "SaidEpikvPolicy", "FactsPolicy",
            "DEFAULT_POLICY",
            "REGISTRY", "make_policy", "policy_spec"]

@@ -52,6 +52,10 @@ class Signals:
     query_layers: layers whose queries after RoPE are captured (0 .. n_layer - 1).
     attention_layers: layers whose attention weights are read back (only with ``needs_attention``).
     numbers: whether the engine marks the tokens whose text holds a decimal digit (``Observation.numeric``).
+    surprise: whether the engine computes each token's surprisal under the model (``Observation.surprise``):
+        it then asks llama.cpp for the logits of every decoded token, not only the last (prefill costs the
+        output layer once per prompt token; a generated token's surprisal comes from the logits it was
+        sampled from).
     """
 
     g_layers: tuple[int, ...] = ()
@@ -59,6 +63,7 @@ class Signals:
     attention_layers: tuple[int, ...] = ()
     query_layers: tuple[int, ...] = ()
     numbers: bool = False
+    surprise: bool = False
 
 
 @dataclass
@@ -78,6 +83,9 @@ class Observation:
         trace); None when no session built the observation.
     numeric: (T,) bool, True for tokens whose text holds a decimal digit 0-9; None unless the policy's
         signals ask for ``numbers``.
+    surprise: (T,) float64 surprisal of each new token in nats, -log p(token | the cache before it) under the
+        model's logits (NaN where those logits are unknown: a sequence's first token, the first token after a
+        rewind or a restored session file); None unless the policy's signals ask for ``surprise``.
     """
 
     positions: np.ndarray
@@ -89,6 +97,7 @@ class Observation:
     attn_last: np.ndarray | None = None
     given: np.ndarray | None = None
     numeric: np.ndarray | None = None
+    surprise: np.ndarray | None = None
 
 
 @dataclass

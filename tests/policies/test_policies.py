@@ -48,6 +48,8 @@ def synth_obs(policy, positions, rng, cells: np.ndarray | None = None) -> Observ
         obs.cell_pos = cell_pos
         obs.attn_received = rng.random(len(cell_pos)).astype(np.float32)
         obs.attn_last = rng.random(len(cell_pos)).astype(np.float32)
+    if policy.bound.surprise:
+        obs.surprise = rng.exponential(1.0, size=T)
     return obs
 
 
@@ -79,7 +81,8 @@ def test_scores_shape_dtype_determinism(name):
 def test_registry_and_families():
     assert set(ALL) == {"none", "streaming", "random", "knorm", "keydiff", "lagkv", "epikv", "epikv_lag",
                         "epikv_raw", "epikv_single", "epikv_span", "h2o", "tova", "snapkv", "epikv_mix", "triattention",
-                        "rkv_redundancy", "rkv", "said", "said_epikv", "said_prompt", "said_facts", "facts"}
+                        "rkv_redundancy", "rkv", "said", "said_epikv", "said_prompt", "said_facts", "facts",
+                        "surprise"}
     # traits are class attributes, read from the registry's classes
     assert {n for n in ALL if REGISTRY[n].cls.needs_attention} == {"h2o", "tova", "snapkv", "rkv"}
     assert {n for n in ALL if REGISTRY[n].cls.calibratable} == {"epikv", "epikv_lag", "epikv_raw", "epikv_single", "epikv_span",
