@@ -1,15 +1,18 @@
-"""Where EPIKV ranks a passkey's digits among its context: a diagnostic for ``bench_recall.py --task passkey``.
+"""Where a policy ranks a passkey's digits among its context: a diagnostic for ``bench_recall.py --task passkey``.
 
-For each passkey case (the same contexts as bench_recall), the prompt is decoded with EPIKV scoring and a cache
+For each passkey case (the same contexts as bench_recall), the prompt is decoded with ``--policy``'s scoring (EPIKV by
+default, or ``surprise``) and a cache
 large enough that nothing is evicted; then, over the prompt's positions, it reports each code digit's score
 percentile and how many context tokens score above the code's weakest digit, with the stored scores
-(``span`` 0) and with ``span=2`` (``epikv_span``). With the prompt counted against 256 cells, half of them the
+(``span`` 0) and, for EPIKV, with ``span=2`` (``epikv_span``); for ``surprise`` also the digits' own surprisal and
+the context's median (nats). With the prompt counted against 256 cells, half of them the
 recent window, about 120 cells are left to the scores for ~1,000 older tokens: a code survives whole only if
 fewer than that many tokens outrank its weakest digit, at every eviction round. The scores here are those of
 an unevicted prefill, an approximation of the ones a bounded run computes (evictions change later hidden
 states).
 
     python scripts/passkey_ranks.py -m MODEL --first-seed 0 --seeds 2 --out results/passkey_ranks_dev_qwen05b.json
+    python scripts/passkey_ranks.py -m MODEL --policy surprise --out results/passkey_ranks_surprise_dev_qwen05b.json
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def run(args) -> int:
 
     if args.seeds < 1 or not 64 <= args.context <= 32768 or args.first_seed < 0 or args.threads < 1:
         raise ConfigError("--seeds and --threads must be >= 1, --context in 64..32768, --first-seed >= 0")
+    if args.policy not in ("epikv", "surprise"):
+        raise ConfigError(f"--policy must be epikv or surprise, got {args.policy!r}")
     bench_recall.trace_file(args.data)  # a missing file is refused before the model loads
     from epikv_local.api.models import default_model_path
 
@@ -61,7 +66,7 @@ def run(args) -> int:
                                               "--data", args.data, "--records", "unused.jsonl"])
     rows = []
     with Llama(model_path=args.model, kv_budget=args.context + 512, n_ctx=args.context + 512, n_threads=args.threads,
-               seed=0, verbose=False, protect_prompt=False, kv_policy="epikv") as llm:
+               seed=0, verbose=False, protect_prompt=False, kv_policy=args.policy) as llm:
         policy = llm._session.policy
         for case in bench_recall.passkey_cases(rargs):
             llm.reset()
@@ -71,20 +76,28 @@ def run(args) -> int:
             text = [llm.detokenize([t]).decode("utf-8", "replace") for t in llm._session.tokens[:n]]
             digits = code_span(text, case["code"])
             row = {"id": case["id"], "depth": case["depth"], "n_prompt": n, "code_start": digits[0]}
-            for span in (0, 2):
-                policy.span = span
+            if args.policy == "surprise":
+                nll = policy._nll.get(np.arange(n))
+                row["digit_surprisal"] = [round(float(nll[d]), 2) for d in digits]
+                row["median_surprisal"] = round(float(np.nanmedian(nll)), 2)
+            for span in ((0, 2) if args.policy == "epikv" else (0,)):
+                if args.policy == "epikv":
+                    policy.span = span
                 s = np.nan_to_num(policy.score(np.arange(n)), nan=-np.inf)
                 pct = [round(100.0 * float((s < s[d]).mean()), 1) for d in digits]
                 row[f"span{span}"] = {"digit_percentiles": pct, "above_weakest_digit": int((s > s[digits].min()).sum())}
-            policy.span = 0
+            if args.policy == "epikv":
+                policy.span = 0
             rows.append(row)
             log(f"{case['id']}: digits at percentiles {row['span0']['digit_percentiles']}, "
-                f"{row['span0']['above_weakest_digit']} tokens above the weakest (span 2: "
-                f"{row['span2']['above_weakest_digit']})")
-    summary = {**provenance("passkey_ranks.py", args.argv), "model": Path(args.model).name, "context": args.context, "first_seed": args.first_seed,
+                f"{row['span0']['above_weakest_digit']} tokens above the weakest"
+                + (f" (span 2: {row['span2']['above_weakest_digit']})" if "span2" in row else ""))
+    summary = {**provenance("passkey_ranks.py", args.argv), "model": Path(args.model).name, "policy": args.policy,
+               "context": args.context, "first_seed": args.first_seed,
                "seeds": args.seeds, "cases": rows,
                "median_above_weakest_digit": {f"span{k}": float(np.median([r[f'span{k}']['above_weakest_digit']
-                                                                            for r in rows])) for k in (0, 2)}}
+                                                                            for r in rows]))
+                                              for k in ((0, 2) if args.policy == "epikv" else (0,))}}
     print(json.dumps(summary["median_above_weakest_digit"]))
     if args.out:
         save_json(args.out, summary)
@@ -94,6 +107,7 @@ def run(args) -> int:
 def parser() -> ArgParser:
     p = ArgParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", help="GGUF model (default: the default model)")
+    p.add_argument("--policy", default="epikv", help="epikv (default) or surprise")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--first-seed", type=int, default=0, help="dev: seeds below 1000")
     p.add_argument("--seeds", type=int, default=2)

@@ -80,6 +80,9 @@ _SPECS = [
     PolicySpec("said_facts", SaidEpikvPolicy, {"prompt": True, "share": 0.5, "base": "facts"},
                "as said_prompt, the model's own numbers (and the tokens beside them) before the rest of its text; "
                "a quarter of the budget for the recent window", recent_fraction=0.25),
+    PolicySpec("said_surprise", SaidPolicy, {"prompt": True, "share": 0.5, "base": "surprise", "given_order": "base"},
+               "as said_prompt, with the model's surprisal for EPIKV: the prompt's most surprising words (at most half "
+               "the cache) before the rest, everything ordered by surprise (a fact inside a long prompt, a question)"),
     PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
                "cache at most); EPIKV's score within each"),
     PolicySpec("surprise", SurprisePolicy, help="the spans the model did not expect: its own surprisal of each "

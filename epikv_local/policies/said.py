@@ -31,7 +31,9 @@ lost the words that say what they count; this keeps the words too.
 
 ``base``: ``streaming`` (oldest first), ``epikv`` (the residual-stream score; ``layers`` and ``window`` as
 :class:`EpikvPolicy`), ``keydiff`` or ``facts`` (:class:`FactsPolicy`: numbers and their neighbours, then EPIKV;
-registered as ``said_facts`` with ``prompt=True`` and a recent share of 0.25). Signals read: the base's (none for
+registered as ``said_facts`` with ``prompt=True`` and a recent share of 0.25) or ``surprise``
+(:class:`SurprisePolicy`: the model's own surprisal, a window mean; registered as ``said_surprise`` with
+``prompt=True`` and ``given_order="base"``: the prompt's tier holds its most surprising words, up to ``share``). Signals read: the base's (none for
 streaming), so flash attention stays on. Designed on the recall benchmark's dev conversations (seeds below
 1000) only; ``said_facts`` on the first 60 GSM8K dev problems.
 """
@@ -50,8 +52,9 @@ from .epikv import EpikvPolicy
 from .facts import FactsPolicy
 from .keydiff import KeyDiffPolicy
 from .streaming import StreamingLLM
+from .surprise import SurprisePolicy
 
-BASES = ("streaming", "epikv", "keydiff", "facts")
+BASES = ("streaming", "epikv", "keydiff", "facts", "surprise")
 ORDERS = ("oldest", "base")
 
 
@@ -76,7 +79,8 @@ class SaidPolicy(Policy):
         self._base: Policy = {"streaming": lambda: StreamingLLM(),
                               "epikv": lambda: EpikvPolicy(layers=self.layers, window=self.window),
                               "keydiff": lambda: KeyDiffPolicy(),
-                              "facts": lambda: FactsPolicy(layers=self.layers, window=self.window)}[self.base]()
+                              "facts": lambda: FactsPolicy(layers=self.layers, window=self.window),
+                              "surprise": lambda: SurprisePolicy()}[self.base]()
         self._given = PositionScores()  # 1.0: given in a later turn, 0.0: otherwise, NaN: never decoded
         self._answered = False  # the model has produced a token: what is given from now on is a later turn
         super().__post_init__()

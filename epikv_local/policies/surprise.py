@@ -4,9 +4,10 @@ Why: a fact dropped into long text (the passkey of ``bench_recall.py --task pass
 81163. Remember it." inside 1,000 tokens of reasoning notes) arrives long before the question that needs it,
 so a bounded prefill must decide without the question. No residual-stream or key score measured here singles
 it out (docs/benchmarks.md: EPIKV ranks a code's weakest digit below ~600 context tokens). The model's own
-surprisal does: reasoning text is predictable (median 0.2-0.5 nats per token on the dev contexts), a random
-code and the sentence around it are not (1-6.5 nats per digit, mostly 3-4), and averaged over a window the code's sentence
-stands above all but ~30-50 of ~1,100 positions (dev seeds 0-1, unevicted prefill).
+surprisal does: reasoning text is predictable, a random code and the sentence around it are not
+(``scripts/passkey_ranks.py --policy surprise`` prints both), and a window mean lifts the whole sentence, the
+code's half-expected first digit included. Designed on the dev passkey contexts (seeds 0-1): 7 of 10
+recalled at 256 cells with the prompt counted, StreamingLLM 1, EPIKV 2, the full cache 8.
 
 Score of a position p, with ``s(q)`` the surprisal of the token at q (nats, measured when it was decoded, kept
 after q is evicted) and w = ``window``:

@@ -81,7 +81,7 @@ def test_scores_shape_dtype_determinism(name):
 def test_registry_and_families():
     assert set(ALL) == {"none", "streaming", "random", "knorm", "keydiff", "lagkv", "epikv", "epikv_lag",
                         "epikv_raw", "epikv_single", "epikv_span", "h2o", "tova", "snapkv", "epikv_mix", "triattention",
-                        "rkv_redundancy", "rkv", "said", "said_epikv", "said_prompt", "said_facts", "facts",
+                        "rkv_redundancy", "rkv", "said", "said_epikv", "said_prompt", "said_facts", "said_surprise", "facts",
                         "surprise"}
     # traits are class attributes, read from the registry's classes
     assert {n for n in ALL if REGISTRY[n].cls.needs_attention} == {"h2o", "tova", "snapkv", "rkv"}

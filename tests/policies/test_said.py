@@ -153,3 +153,21 @@ def test_said_prompt_keeps_a_counted_prompt_where_epikv_evicts_it(model, kept_of
     kept = {name: kept_of_counted_prompt(name, prompt, np.arange(len(prompt))) for name in ("said_prompt", "epikv")}
     assert kept["said_prompt"] == 1.0
     assert kept["epikv"] < 1.0
+
+
+def test_said_surprise_keeps_the_prompts_most_surprising_words_in_its_tier():
+    """``said_surprise``: a counted prompt's tier (at most ``share`` of the cells) holds its most surprising words
+    (the window score of ``surprise``), not its oldest; the model's own tokens below, by surprise too."""
+    p = make_policy("said_surprise")
+    assert (p.prompt, p.share, p.base, p.given_order) == (True, 0.5, "surprise", "base")
+    p.bind(SHAPE)
+    nll = np.full(40, 0.1)
+    nll[20:24] = 5.0  # a surprising span late in the prompt
+    nll[34:36] = 3.0  # a surprising pair in the model's own text
+    for pos, given in ((np.arange(0, 30), True), (np.arange(30, 40), False)):
+        p.observe(Observation(positions=pos, given=np.full(len(pos), given), surprise=nll[pos]))
+    s = p.score(np.arange(40))
+    tier = np.flatnonzero(s >= 2.0)
+    assert set(range(20, 24)) <= set(tier) and len(tier) == 20 and tier.max() < 30  # round(0.5 * 40) given words
+    assert s[20:24].min() > s[0]  # a surprising late span outranks the oldest words
+    assert s[34] > s[31]  # below the tier, the model's own text by surprise

@@ -249,6 +249,23 @@ def test_passkey_ranks_finds_every_digit_of_each_code(tmp_path):
     assert starts == sorted(starts) and len(set(starts)) == 5  # deeper cases put the code later
 
 
+def test_passkey_ranks_of_surprise_reports_the_digits_surprisal(tmp_path):
+    """``--policy surprise``: each digit's surprisal (nats, the first token of a random code is never certain) and
+    the rank of the policy's own scores; a policy it does not know is one error line, exit 2, no file."""
+    data = trace_data(tmp_path)
+    d = run("passkey_ranks.py", "--data", data, "--context", "200", "--seeds", "1", "--policy", "surprise",
+            "--out", tmp_path / "r.json")
+    assert d["policy"] == "surprise" and set(d["median_above_weakest_digit"]) == {"span0"}
+    for c in d["cases"]:
+        assert len(c["digit_surprisal"]) == len(c["span0"]["digit_percentiles"]) > 0
+        assert all(x > 0 for x in c["digit_surprisal"]) and c["median_surprisal"] >= 0
+        assert "span2" not in c
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "passkey_ranks.py"), "--data", data, "--policy", "h2o",
+                          "--out", str(tmp_path / "bad.json")], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--policy" in bad.stderr
+    assert not (tmp_path / "bad.json").exists()
+
+
 def test_recall_merge_reports_the_share_of_streamings_loss_recovered(tmp_path):
     right_of = {("full", None): 12, ("streaming", 256): 0, ("said", 256): 12, ("epikv", 256): 0}
     records, out = tmp_path / "m.jsonl", tmp_path / "m.json"
