@@ -358,7 +358,8 @@ class SequencePool(Closing):
         tokens: list[int] = []
         pos: list[int] = []
         seqs: list[int] = []
-        outs: list[bool] = []
+        outs: list[bool] = []  # rows llama.cpp computes
+        asked: list[bool] = []  # rows the callers asked for (the others only feed Observation.surprise)
         parts = []
         for req, n in work:
             s = req.session
@@ -373,9 +374,9 @@ class SequencePool(Closing):
             tokens += req.tokens[req.done:req.done + n]
             pos += p.tolist()
             seqs += [s.seq_id] * n
+            asked += [req.logits_all or (req.logits_last and last and i == n - 1) for i in range(n)]
             # a policy reading surprisal needs every token's logits (Observation.surprise, Session._surprisal)
-            outs += [req.logits_all or self.signals.surprise or (req.logits_last and last and i == n - 1)
-                     for i in range(n)]
+            outs += [self.signals.surprise or a for a in asked[-n:]]
         if not parts:
             return
         members = {id(req.session) for req, *_ in parts}
@@ -397,10 +398,11 @@ class SequencePool(Closing):
         st.n_shared += len(parts) > 1
         st.max_sequences = max(st.max_sequences, len(parts))
         for req, n, start, p in parts:
-            rows = [start + i for i in range(n) if outs[start + i]]
+            rows = [start + i for i in range(n) if asked[start + i]]  # batch indices (llama_get_logits_ith)
+            token_rows = [start + i for i in range(n)] if self.signals.surprise else None
             try:
                 req.session._after_decode(p, req.tokens[req.done:req.done + n], slice(start, start + n), len(tokens),
-                                          rows, self.round, dt, req.given)
+                                          rows, self.round, dt, req.given, token_rows)
                 req.done += n
                 req.finished = req.done == len(req.tokens)
             except BaseException as e:  # noqa: BLE001 - its policy's error is its own

@@ -361,6 +361,7 @@ class Session(Closing):
                 if end[0] < self.n_past:
                     self.n_past = self.engine.truncate(end[0])
                     del self.tokens[self.n_past:]
+                    self._surprise_prev = None  # set again below, unless the prompt's last cells were evicted
                 if self.n_past == end[0]:  # the prompt's last cell is still held: continue right after it
                     self._rows, self._rows_round, self._kept = [], -1, [end[1].copy()]
                     if self.pool.signals.surprise:
@@ -447,9 +448,12 @@ class Session(Closing):
             self.pool.decode(self, part, logits_all, logits_last, given)
 
     def _after_decode(self, pos: np.ndarray, part: list[int], rows: slice, n_total: int, out_rows: list[int],
-                      round_: int, seconds: float, given: bool = False) -> None:
+                      round_: int, seconds: float, given: bool = False,
+                      token_rows: list[int] | None = None) -> None:
         """The pool decoded ``part`` at ``pos`` as rows ``rows`` of a decode of ``n_total`` tokens (number
-        ``round_``, taking ``seconds``): book the cells, route the captured rows to the policy."""
+        ``round_``, taking ``seconds``): book the cells, route the captured rows to the policy. out_rows: the
+        output rows the caller asked for (readable through :meth:`logits`); token_rows: one output row per token
+        of ``part``, when the policy reads surprisal (read here, before the next decode, and not kept)."""
         self.decode_seconds += seconds
         self.engine.on_decoded(pos)
         self.n_past += len(part)
@@ -460,7 +464,7 @@ class Session(Closing):
         if self.pool.digits is not None:
             obs.numeric = self.pool.digits[np.asarray(part, dtype=np.int64)]
         if self.pool.signals.surprise:
-            obs.surprise = self._surprisal(part, out_rows)
+            obs.surprise = self._surprisal(part, token_rows or [])
         self.capture.check_flash_attn(self.cfg.flash_attn)
         self.policy.observe(obs)
 

@@ -133,7 +133,8 @@ def make_policy(name: "str | PolicySpec", **options) -> Policy:
 
 
 __all__ = ["ModelShape", "Observation", "Policy", "PolicySpec", "Signals", "EpikvPolicy", "StreamingLLM",
-           "NoEviction", "RandomPolicy", "SurprisePolicy", "KNormPolicy", "KeyDiffPolicy", "LagKVPolicy", "H2OPolicy", "TOVAPolicy",
+           "NoEviction", "RandomPolicy", "SurprisePolicy", "KNormPolicy", "KeyDiffPolicy", "LagKVPolicy",
+           "H2OPolicy", "TOVAPolicy",
            "SnapKVPolicy", "EpikvMixPolicy", "TriAttentionPolicy", "RKVPolicy", "RKVRedundancyPolicy", "SaidPolicy", "SaidEpikvPolicy", "FactsPolicy",
            "DEFAULT_POLICY",
            "REGISTRY", "make_policy", "policy_spec"]

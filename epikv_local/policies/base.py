@@ -85,7 +85,7 @@ class Observation:
         signals ask for ``numbers``.
     surprise: (T,) float64 surprisal of each new token in nats, -log p(token | the cache before it) under the
         model's logits (NaN where those logits are unknown: a sequence's first token, the first token after a
-        rewind or a restored session file); None unless the policy's signals ask for ``surprise``.
+        rewind that dropped tokens or after a restored session file); None unless the policy's signals ask for ``surprise``.
     """
 
     positions: np.ndarray

@@ -33,8 +33,8 @@ lost the words that say what they count; this keeps the words too.
 :class:`EpikvPolicy`), ``keydiff`` or ``facts`` (:class:`FactsPolicy`: numbers and their neighbours, then EPIKV;
 registered as ``said_facts`` with ``prompt=True`` and a recent share of 0.25) or ``surprise``
 (:class:`SurprisePolicy`: the model's own surprisal, a window mean; registered as ``said_surprise`` with
-``prompt=True`` and ``given_order="base"``: the prompt's tier holds its most surprising words, up to ``share``). Signals read: the base's (none for
-streaming), so flash attention stays on. Designed on the recall benchmark's dev conversations (seeds below
+``prompt=True`` and ``given_order="base"``: the prompt's tier holds its most surprising words, up to ``share``).
+Signals read: the base's (none for streaming; every token's logits for surprise), so flash attention stays on. Designed on the recall benchmark's dev conversations (seeds below
 1000) only; ``said_facts`` on the first 60 GSM8K dev problems.
 """
 

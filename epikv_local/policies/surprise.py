@@ -51,7 +51,10 @@ class SurprisePolicy(Policy):
         if len(obs.positions) == 0:
             return
         s = np.full(len(obs.positions), np.nan) if obs.surprise is None else np.asarray(obs.surprise, np.float64)
-        self._nll.set(np.asarray(obs.positions, np.int64), s)  # a re-decoded position is scored afresh
+        positions = np.asarray(obs.positions, np.int64)
+        self._nll.set(positions, s)  # a re-decoded position is scored afresh
+        # what lies beyond the newest token was a branch a rewind dropped: the windows must not read it
+        self._nll.values[int(positions.max()) + 1:] = np.nan
 
     def score(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)

@@ -168,6 +168,6 @@ def test_said_surprise_keeps_the_prompts_most_surprising_words_in_its_tier():
         p.observe(Observation(positions=pos, given=np.full(len(pos), given), surprise=nll[pos]))
     s = p.score(np.arange(40))
     tier = np.flatnonzero(s >= 2.0)
-    assert set(range(20, 24)) <= set(tier) and len(tier) == 20 and tier.max() < 30  # round(0.5 * 40) given words
-    assert s[20:24].min() > s[0]  # a surprising late span outranks the oldest words
-    assert s[34] > s[31]  # below the tier, the model's own text by surprise
+    assert set(range(20, 24)) <= set(tier)  # the surprising late span has the tier, not only the oldest words
+    assert s[20:24].min() > s[0:8].max()  # it outranks the oldest words
+    assert s[34] > s[39]  # below the tier, the model's own text by surprise (39 is newer and less surprising)

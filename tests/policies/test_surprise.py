@@ -148,3 +148,32 @@ def test_a_surprising_span_of_a_counted_prompt_survives_where_streaming_evicts_i
     assert len(digits) >= 2 and len(prompt) > 150
     assert kept_in_counted_prompt(model, "surprise", prompt, digits) == 1.0
     assert kept_in_counted_prompt(model, "streaming", prompt, digits) == 0.0
+
+
+def test_a_rewind_that_drops_tokens_forgets_the_logits_and_the_dropped_branch(model):
+    """After ``rewind_to_prefix`` drops tokens, the first token decoded again has no known logits before it (NaN,
+    not the dropped branch's), and the policy no longer reads the dropped positions; a rewind to the very prompt
+    fed last continues from the prompt's kept logits (a finite surprisal, equal to the first run's)."""
+    prompt = model.tokenize("The cat sat on the mat. The secret code is 83921. The dog ran.")
+    policy = make_policy("surprise")
+    rec = Recorder(policy)
+    budget = BudgetConfig(kv_budget=128, n_recent=32, evict_chunk=8, protect_prompt=False)
+    with Session(model, policy, budget, SessionConfig(n_threads=2, n_batch=8)) as s:
+        s.feed(prompt, is_prompt=True)
+        with s.sampling(SamplingConfig(temperature=0.0)) as sampler:
+            first = s.sample(sampler)
+            s.feed([first])
+            s.feed([s.sample(sampler)])
+            after_prompt = rec.seen[len(prompt)]
+            assert np.isfinite(after_prompt)
+            assert s.rewind_to_prefix(prompt) == len(prompt)  # the prompt fed last: its logits are kept
+            s.feed([s.sample(sampler)])
+            assert rec.seen[len(prompt)] == pytest.approx(after_prompt, abs=1e-4)
+            assert not np.isnan(policy._nll.get(np.array([len(prompt)]))).any()
+            assert np.isnan(policy._nll.get(np.array([len(prompt) + 1]))).all()  # the dropped branch's token
+            k = len(prompt) - 4
+            start = s.rewind_to_prefix(prompt[:k] + model.tokenize(" A bird sang.", add_special=False))
+            assert start <= k
+            rec.seen.clear()
+            s.feed(model.tokenize(" A bird sang.", add_special=False))
+            assert np.isnan(rec.seen[start]) and np.isfinite(rec.seen[start + 1])
