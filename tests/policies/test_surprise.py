@@ -94,6 +94,14 @@ class Recorder:
         policy.observe = observe
 
 
+def recorded_session(model):
+    """(policy, its Recorder, a Session) of ``surprise`` at 128 cells, chunks of 8 tokens, the prompt counted."""
+    policy = make_policy("surprise")
+    rec = Recorder(policy)
+    budget = BudgetConfig(kv_budget=128, n_recent=32, evict_chunk=8, protect_prompt=False)
+    return policy, rec, Session(model, policy, budget, SessionConfig(n_threads=2, n_batch=8))
+
+
 def test_engine_surprisal_matches_stock_llama_cpp(model, model_path):
     """Prompt tokens fed in chunks, then greedy tokens one by one: each token's Observation.surprise is
     -log softmax of the logits before it, as stock llama-cpp-python computes them (logits_all), within
@@ -101,10 +109,8 @@ def test_engine_surprisal_matches_stock_llama_cpp(model, model_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     text = "The cat sat on the mat. The secret code is 83921. The cat sat on the mat. The dog ran."
     prompt = model.tokenize(text)
-    policy = make_policy("surprise")
-    rec = Recorder(policy)
-    budget = BudgetConfig(kv_budget=128, n_recent=32, evict_chunk=8, protect_prompt=False)
-    with Session(model, policy, budget, SessionConfig(n_threads=2, n_batch=8)) as s:
+    policy, rec, s = recorded_session(model)
+    with s:
         s.feed(prompt, is_prompt=True)
         with s.sampling(SamplingConfig(temperature=0.0)) as sampler:
             for _ in range(6):
@@ -155,10 +161,8 @@ def test_a_rewind_that_drops_tokens_forgets_the_logits_and_the_dropped_branch(mo
     not the dropped branch's), and the policy no longer reads the dropped positions; a rewind to the very prompt
     fed last continues from the prompt's kept logits (a finite surprisal, equal to the first run's)."""
     prompt = model.tokenize("The cat sat on the mat. The secret code is 83921. The dog ran.")
-    policy = make_policy("surprise")
-    rec = Recorder(policy)
-    budget = BudgetConfig(kv_budget=128, n_recent=32, evict_chunk=8, protect_prompt=False)
-    with Session(model, policy, budget, SessionConfig(n_threads=2, n_batch=8)) as s:
+    policy, rec, s = recorded_session(model)
+    with s:
         s.feed(prompt, is_prompt=True)
         with s.sampling(SamplingConfig(temperature=0.0)) as sampler:
             first = s.sample(sampler)
