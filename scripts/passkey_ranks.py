@@ -57,6 +57,7 @@ def run(args) -> int:
         raise ConfigError("--seeds and --threads must be >= 1, --context in 64..32768, --first-seed >= 0")
     if args.policy not in ("epikv", "surprise"):
         raise ConfigError(f"--policy must be epikv or surprise, got {args.policy!r}")
+    spans = (0, 2) if args.policy == "epikv" else (0,)  # the span setting is EPIKV's
     bench_recall.trace_file(args.data)  # a missing file is refused before the model loads
     from epikv_local.api.models import default_model_path
 
@@ -80,14 +81,14 @@ def run(args) -> int:
                 nll = policy._nll.get(np.arange(n))
                 row["digit_surprisal"] = [round(float(nll[d]), 2) for d in digits]
                 row["median_surprisal"] = round(float(np.nanmedian(nll)), 2)
-            for span in ((0, 2) if args.policy == "epikv" else (0,)):
-                if args.policy == "epikv":
+            for span in spans:
+                if span:
                     policy.span = span
                 s = np.nan_to_num(policy.score(np.arange(n)), nan=-np.inf)
+                if span:
+                    policy.span = 0
                 pct = [round(100.0 * float((s < s[d]).mean()), 1) for d in digits]
                 row[f"span{span}"] = {"digit_percentiles": pct, "above_weakest_digit": int((s > s[digits].min()).sum())}
-            if args.policy == "epikv":
-                policy.span = 0
             rows.append(row)
             log(f"{case['id']}: digits at percentiles {row['span0']['digit_percentiles']}, "
                 f"{row['span0']['above_weakest_digit']} tokens above the weakest"
@@ -97,7 +98,7 @@ def run(args) -> int:
                "seeds": args.seeds, "cases": rows,
                "median_above_weakest_digit": {f"span{k}": float(np.median([r[f'span{k}']['above_weakest_digit']
                                                                             for r in rows]))
-                                              for k in ((0, 2) if args.policy == "epikv" else (0,))}}
+                                              for k in spans}}
     print(json.dumps(summary["median_above_weakest_digit"]))
     if args.out:
         save_json(args.out, summary)

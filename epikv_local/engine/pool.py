@@ -399,10 +399,9 @@ class SequencePool(Closing):
         st.max_sequences = max(st.max_sequences, len(parts))
         for req, n, start, p in parts:
             rows = [start + i for i in range(n) if asked[start + i]]  # batch indices (llama_get_logits_ith)
-            token_rows = [start + i for i in range(n)] if self.signals.surprise else None
             try:
                 req.session._after_decode(p, req.tokens[req.done:req.done + n], slice(start, start + n), len(tokens),
-                                          rows, self.round, dt, req.given, token_rows)
+                                          rows, self.round, dt, req.given)
                 req.done += n
                 req.finished = req.done == len(req.tokens)
             except BaseException as e:  # noqa: BLE001 - its policy's error is its own

@@ -356,16 +356,15 @@ class Session(Closing):
         unchanged, re-decoded tokens are scored afresh).
         """
         with self._use(), self.pool.quiet():
+            before = self.n_past
             end = self._prompt_end
             if end is not None and end[0] == len(tokens) <= len(self.tokens) and self.tokens[:end[0]] == tokens:
                 if end[0] < self.n_past:
                     self.n_past = self.engine.truncate(end[0])
                     del self.tokens[self.n_past:]
-                    self._surprise_prev = None  # set again below, unless the prompt's last cells were evicted
                 if self.n_past == end[0]:  # the prompt's last cell is still held: continue right after it
                     self._rows, self._rows_round, self._kept = [], -1, [end[1].copy()]
-                    if self.pool.signals.surprise:
-                        self._surprise_prev = end[1]
+                    self._surprise_prev = end[1]
                     return self.n_past
             n = 0
             limit = min(len(tokens) - 1, len(self.tokens))
@@ -374,6 +373,7 @@ class Session(Closing):
             if n < self.n_past:
                 self.n_past = self.engine.truncate(n)
                 del self.tokens[self.n_past:]
+            if self.n_past != before:
                 self._surprise_prev = None  # the logits after the new last token are not kept
             if self._prompt_end is not None and self._prompt_end[0] > self.n_past:
                 self._prompt_end = None
@@ -448,12 +448,11 @@ class Session(Closing):
             self.pool.decode(self, part, logits_all, logits_last, given)
 
     def _after_decode(self, pos: np.ndarray, part: list[int], rows: slice, n_total: int, out_rows: list[int],
-                      round_: int, seconds: float, given: bool = False,
-                      token_rows: list[int] | None = None) -> None:
+                      round_: int, seconds: float, given: bool = False) -> None:
         """The pool decoded ``part`` at ``pos`` as rows ``rows`` of a decode of ``n_total`` tokens (number
         ``round_``, taking ``seconds``): book the cells, route the captured rows to the policy. out_rows: the
-        output rows the caller asked for (readable through :meth:`logits`); token_rows: one output row per token
-        of ``part``, when the policy reads surprisal (read here, before the next decode, and not kept)."""
+        output rows the caller asked for (readable through :meth:`logits`); when the policy reads surprisal
+        every row of ``rows`` has logits too, read here before the next decode and not kept."""
         self.decode_seconds += seconds
         self.engine.on_decoded(pos)
         self.n_past += len(part)
@@ -464,16 +463,14 @@ class Session(Closing):
         if self.pool.digits is not None:
             obs.numeric = self.pool.digits[np.asarray(part, dtype=np.int64)]
         if self.pool.signals.surprise:
-            obs.surprise = self._surprisal(part, token_rows or [])
+            obs.surprise = self._surprisal(part, range(rows.start, rows.stop))
         self.capture.check_flash_attn(self.cfg.flash_attn)
         self.policy.observe(obs)
 
-    def _surprisal(self, part: list[int], rows: list[int]) -> np.ndarray:
+    def _surprisal(self, part: list[int], rows: range) -> np.ndarray:
         """(T,) nats: -log softmax(logits before token i)[token i] for the T tokens just decoded, from the output
         row of the token before each (the pool asks for every row when the policy reads surprisal) and, for the
         first, the logits kept from the decode before (NaN when there are none)."""
-        if len(rows) != len(part):
-            raise NativeError(f"surprisal needs a logits row per token: got {len(rows)} rows for {len(part)} tokens")
         out = np.full(len(part), np.nan)
         prev = self._surprise_prev
         for i, token in enumerate(part):
