@@ -261,7 +261,7 @@ def test_passkey_ranks_of_surprise_reports_the_digits_surprisal(tmp_path):
         assert all(x > 0 for x in c["digit_surprisal"]) and c["median_surprisal"] < max(c["digit_surprisal"])
         assert "span2" not in c
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "passkey_ranks.py"), "--data", data, "--policy", "h2o",
-                          "--out", str(tmp_path / "bad.json")], capture_output=True, text=True, cwd=REPO)
+                          "--out", str(tmp_path / "bad.json")], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--policy" in bad.stderr
     assert not (tmp_path / "bad.json").exists()
 
