@@ -83,6 +83,9 @@ _SPECS = [
     PolicySpec("said_surprise", SaidPolicy, {"prompt": True, "share": 0.5, "base": "surprise", "given_order": "base"},
                "as said_prompt, with the model's surprisal for EPIKV: the prompt's most surprising words (at most half "
                "the cache) before the rest, everything ordered by surprise (a fact inside a long prompt, a question)"),
+    PolicySpec("said_prompt_surprise", SaidEpikvPolicy, {"prompt": True, "share": 0.5, "given_order": "surprise"},
+               "as said_prompt, the caller's words ordered by the model's surprisal (a fact inside a long prompt), "
+               "the model's own text by EPIKV"),
     PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
                "cache at most); EPIKV's score within each"),
     PolicySpec("surprise", SurprisePolicy, help="the spans the model did not expect: its own surprisal of each "

@@ -16,7 +16,8 @@ like any token, so on one prompt ``said_epikv`` is ``epikv`` either way). The se
 model's own tokens (lowest base score first) before any later turn's words, and
 given tokens only among themselves once the model's are gone: ``given_order="oldest"`` keeps the oldest
 given words longest (as a protected prompt is kept: what a conversation was set up with), ``"base"`` orders
-them by the base score too (on the dev conversations it lost facts that "oldest" kept). ``share`` bounds the
+them by the base score too (on the dev conversations it lost facts that "oldest" kept), ``"surprise"`` by the
+model's surprisal of them (:class:`SurprisePolicy`'s window score) whatever the base. ``share`` bounds the
 given tier: at most ``round(share * N)`` of the N live positions keep it, so a long pasted document cannot
 crowd out all of the model's own text outside the recent window. Tokens decoded without a mark (teacher-forced
 text) count as the model's own: the policy is then its base. On one prompt every given token is left to the
@@ -34,13 +35,15 @@ lost the words that say what they count; this keeps the words too.
 registered as ``said_facts`` with ``prompt=True`` and a recent share of 0.25) or ``surprise``
 (:class:`SurprisePolicy`: the model's own surprisal, a window mean; registered as ``said_surprise`` with
 ``prompt=True`` and ``given_order="base"``: the prompt's tier holds its most surprising words, up to ``share``).
+``said_prompt_surprise`` is ``said_prompt`` with ``given_order="surprise"``: the caller's words ordered by
+the model's surprisal, its own tokens by EPIKV.
 Signals read: the base's (none for streaming; every token's logits for surprise), so flash attention stays on. Designed on the recall benchmark's dev conversations (seeds below
 1000) only; ``said_facts`` on the first 60 GSM8K dev problems.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -55,7 +58,7 @@ from .streaming import StreamingLLM
 from .surprise import SurprisePolicy
 
 BASES = ("streaming", "epikv", "keydiff", "facts", "surprise")
-ORDERS = ("oldest", "base")
+ORDERS = ("oldest", "base", "surprise")
 
 
 @dataclass
@@ -81,20 +84,30 @@ class SaidPolicy(Policy):
                               "keydiff": lambda: KeyDiffPolicy(),
                               "facts": lambda: FactsPolicy(layers=self.layers, window=self.window),
                               "surprise": lambda: SurprisePolicy()}[self.base]()
+        # the given tier's own order: the model's surprisal while the base orders the model's own tokens
+        self._order: Policy | None = (SurprisePolicy() if self.given_order == "surprise" and self.base != "surprise"
+                                      else None)
         self._given = PositionScores()  # 1.0: given in a later turn, 0.0: otherwise, NaN: never decoded
         self._answered = False  # the model has produced a token: what is given from now on is a later turn
         super().__post_init__()
 
     def signals(self, shape: ModelShape) -> Signals:
-        return self._base.bind(shape)
+        sig = self._base.bind(shape)
+        if self._order is not None:
+            sig = replace(sig, surprise=self._order.bind(shape).surprise)
+        return sig
 
     def reset(self) -> None:
         self._base.reset()
+        if self._order is not None:
+            self._order.reset()
         self._given.reset()
         self._answered = False
 
     def observe(self, obs: Observation) -> None:
         self._base.observe(obs)
+        if self._order is not None:
+            self._order.observe(obs)
         given = np.zeros(len(obs.positions), dtype=bool) if obs.given is None else np.asarray(obs.given, dtype=bool)
         # the prompt that starts a sequence stays the base's unless ``prompt``: protected by the budget, or counted
         # against it (the papers' setting), where the tier would overrule the base on every token
@@ -105,7 +118,12 @@ class SaidPolicy(Policy):
         positions = np.asarray(positions, dtype=np.int64)
         rank = rank01(self._base.score(positions))
         given = np.flatnonzero(self._given.get(positions) == 1.0)
-        within = rank01(-positions[given].astype(np.float64)) if self.given_order == "oldest" else rank[given]
+        if self.given_order == "oldest":
+            within = rank01(-positions[given].astype(np.float64))
+        elif self._order is not None:  # "surprise" over another base
+            within = rank01(self._order.score(positions[given]))
+        else:  # "base", or "surprise" over the surprise base
+            within = rank[given]
         return lift_tier(rank, given, within, self.share)  # the share's worth ranked highest within the given
 
 

@@ -171,3 +171,31 @@ def test_said_surprise_keeps_the_prompts_most_surprising_words_in_its_tier():
     assert set(range(20, 24)) <= set(tier)  # the surprising late span has the tier, not only the oldest words
     assert s[20:24].min() > s[0:8].max()  # it outranks the oldest words
     assert s[34] > s[39]  # below the tier, the model's own text by surprise (39 is newer and less surprising)
+
+
+def test_said_prompt_surprise_orders_the_tier_by_surprise_and_the_models_own_by_the_base():
+    """``given_order="surprise"`` over another base: the caller's words ranked by the model's surprisal (the
+    window score of ``surprise``), the model's own tokens by the base (streaming here: newer = keep; EPIKV in the
+    registered ``said_prompt_surprise``, which asks for EPIKV's layers and for the surprisal together)."""
+    reg = make_policy("said_prompt_surprise")
+    assert (reg.prompt, reg.share, reg.base, reg.given_order) == (True, 0.5, "epikv", "surprise")
+    sig = reg.bind(SHAPE)
+    assert sig.surprise and len(sig.g_layers) > 0
+    p = make_policy("said", prompt=True, share=0.5, given_order="surprise")
+    p.bind(SHAPE)
+    nll = np.random.default_rng(7).gamma(1.0, 1.0, 60)  # nats, no ties
+    for pos, given in ((np.arange(0, 40), True), (np.arange(40, 60), False)):
+        p.observe(Observation(positions=pos, given=np.full(len(pos), given), surprise=nll[pos]))
+    s = p.score(np.arange(60))
+    tier = set(np.flatnonzero(s >= 2.0).tolist())
+    alone = make_policy("surprise")
+    alone.bind(SHAPE)
+    alone.observe(Observation(positions=np.arange(60), surprise=nll))
+    w = alone.score(np.arange(40))
+    out = sorted(set(range(40)) - tier)
+    assert len(tier) == 30  # share 0.5 of 60 cells: 30 of the 40 given words
+    assert w[sorted(tier)].min() >= w[out].max() and w[sorted(tier)].mean() > w[out].mean()  # the most surprising
+    assert tier != set(range(30)) and tier != set(range(10, 40))  # neither the oldest words nor the newest
+    assert np.all(np.diff(s[40:60]) > 0)  # the model's own text: the base's order, newer = keep
+    p.reset()
+    assert np.isnan(p._order.score(np.arange(4))).all()  # the order's state goes with a reset

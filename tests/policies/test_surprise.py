@@ -143,16 +143,18 @@ def kept_in_counted_prompt(model, name: str, prompt: list[int], positions: list[
         return float(np.isin(positions, s.live_positions()).mean())
 
 
-def test_a_surprising_span_of_a_counted_prompt_survives_where_streaming_evicts_it(model):
+@pytest.mark.parametrize("name", ["surprise", "said_prompt_surprise"])
+def test_a_surprising_span_of_a_counted_prompt_survives_where_streaming_evicts_it(model, name):
     """A counted prompt of predictable text (one sentence repeated) with a random code in its first half, then
     100 generated tokens at a budget of 96 cells: ``surprise`` keeps every digit of the code, StreamingLLM
-    none."""
+    none. So does ``said_prompt_surprise`` (the prompt's tier ordered by surprise, EPIKV for the rest): the
+    engine serves it EPIKV's captured rows and every token's logits together."""
     filler = "The cat sat on the mat. " * 8
     prompt = model.tokenize(filler + "The secret code is 83921. Remember it. " + filler * 2)
     text = [model.token_bytes(t).decode("utf-8", "replace") for t in prompt]
     digits = [i for i, t in enumerate(text) if any(c.isdigit() for c in t)]
     assert len(digits) >= 2 and len(prompt) > 150
-    assert kept_in_counted_prompt(model, "surprise", prompt, digits) == 1.0
+    assert kept_in_counted_prompt(model, name, prompt, digits) == 1.0
     assert kept_in_counted_prompt(model, "streaming", prompt, digits) == 0.0
 
 
