@@ -27,7 +27,7 @@ def parallel(model_path):
         yield llm
 
 
-def test_threads_get_their_own_answers_within_their_budgets(parallel):
+def test_threads_get_their_own_answers_within_their_budgets(parallel, model_path):
     out: dict = {}
 
     def run(i):
@@ -47,10 +47,13 @@ def test_threads_get_their_own_answers_within_their_budgets(parallel):
         ext = out[i]["epikv"]
         assert 0 < ext["max_live_cells"] <= 128
         texts.append(out[i]["choices"][0]["text"])
-    # nobody got another's answer: each is the one its prompt gets alone (4 x 12 prompt tokens share one
-    # ubatch of < 64 rows and nothing is evicted, so decoding together is exact: docs/parallel.md)
-    alone = [parallel.create_completion(" ".join([w] * 12), max_tokens=16, temperature=0)["choices"][0]["text"]
-             for w in WORDS]
+    # nobody got another's answer: each is the one its prompt gets alone, in a context of its own (4 x 12 prompt
+    # tokens share one ubatch of < 64 rows, each sequence's cells lie in position order and nothing is evicted,
+    # so decoding together is exact: docs/parallel.md). Not the same pool: a later call there would reuse the
+    # sequence that holds its prompt, and the logits stored by the run it is compared with.
+    with ek.Llama(str(model_path), kv_budget=128, n_threads=1) as one:
+        alone = [one.create_completion(" ".join([w] * 12), max_tokens=16, temperature=0)["choices"][0]["text"]
+                 for w in WORDS]
     assert texts == alone and len(set(texts)) == 4
     slots = parallel.slots()
     assert len(slots) == 4 and not any(s["leased"] for s in slots)
