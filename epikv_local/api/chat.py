@@ -100,3 +100,38 @@ def message_problem(message: dict) -> tuple[str, str] | None:
     why": its content (:func:`content_problem`) or its tool calls (:func:`tool_calls_problem`); None when it can."""
     why = content_problem(message)
     return ("content", why) if why else tool_calls_problem(message)
+
+
+def template_marks(pieces: list[bytes], messages: list[dict]) -> list[bool] | None:
+    """Per token of a rendered chat prompt, whether the chat template wrote it (``Observation.template``).
+
+    pieces: each token's bytes (special tokens as text), whose concatenation is the rendered prompt; messages:
+    the conversation it was rendered from. Each message's text content (stripped) is looked up in order in the
+    rendered bytes; a token is the template's when none of its bytes falls inside a content found (role
+    markers, a default system prompt the template adds, the generation prompt). A token that straddles a
+    content's edge is the caller's. None (nothing marked) when there is no content, or when some content is not
+    in the rendering verbatim (a template that rewrites what it is given): then every token counts as given.
+    """
+    text = b"".join(pieces)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, str) or not content.strip():
+            continue
+        needle = content.strip().encode("utf-8", "surrogatepass")
+        at = text.find(needle, cursor)
+        if at < 0:
+            return None
+        spans.append((at, at + len(needle)))
+        cursor = at + len(needle)
+    if not spans:
+        return None
+    marks, start, k = [], 0, 0
+    for p in pieces:
+        end = start + len(p)
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        marks.append(not (k < len(spans) and spans[k][0] < end and end > start))
+        start = end
+    return marks

@@ -9,6 +9,7 @@ from typing import Iterator
 
 from ..errors import ConfigError
 from . import responses
+from .chat import template_marks
 from .reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
 from .responses import ChunkStep
 
@@ -28,9 +29,10 @@ class HandlerCall:
     attribute is the Llama's.
     """
 
-    def __init__(self, llama, reasoning_budget: int | None = None):
+    def __init__(self, llama, reasoning_budget: int | None = None, messages: list[dict] | None = None):
         self._llama = llama
         self.reasoning_budget = reasoning_budget
+        self.messages = messages or []  # what the prompt is rendered from: which of its tokens are the template's
         self.opens_thinking = False  # the rendered prompt ends inside an open <think> block
         self.stats = None  # GenerationStats as of the last step the handler read
 
@@ -48,6 +50,10 @@ class HandlerCall:
             "utf-8", "replace")
         self.opens_thinking = prompt_opens_thinking(text)
         kwargs.setdefault("reasoning_budget", self.reasoning_budget)
+        if kwargs.get("suffix") is None and self.messages:
+            tokens = list(prompt) if not isinstance(prompt, str) else self._llama._prompt_tokens(prompt, None)[0]
+            prompt, kwargs["template"] = tokens, template_marks(
+                [self._llama._model.token_bytes(int(t), special=True) for t in tokens], self.messages)
         steps = self._recorded(self._llama.completion_steps(prompt, **kwargs))
         if stream:
             return steps

@@ -21,7 +21,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -112,7 +112,8 @@ class GenerationResponse:
 def generate_step(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_prefix: bool = False,
                   on_prefilled: Callable[[int, float], None] | None = None,
                   on_logits: Callable[[np.ndarray], None] | None = None,
-                  forced: Callable[[], int | None] | None = None) -> Iterator[int]:
+                  forced: Callable[[], int | None] | None = None,
+                  template: Sequence[bool] | None = None) -> Iterator[int]:
     """Prefill the prompt, then yield sampled tokens forever (the caller stops). Evicts as needed.
 
     reuse_prefix: keep the longest common prefix of what the session holds and ``prompt_tokens`` and decode
@@ -121,16 +122,17 @@ def generate_step(session: Session, prompt_tokens: list[int], sampler: Sampler, 
     on_logits(row) before each sample with the (n_vocab,) float32 logits row the sampler will read: it may read
     it, or change it in place (logits processors). forced() is asked before each step for a token to put
     next instead of sampling one (None: sample): it is fed to the chain's penalties as if sampled (not to
-    on_logits, which is for sampling), yielded and decoded like a sampled token.
+    on_logits, which is for sampling), yielded and decoded like a sampled token. template: one flag per prompt
+    token, True where a chat template wrote it (``Observation.template``; None: a raw prompt).
     """
     if not prompt_tokens:
         raise ConfigError("the prompt is empty")
     with session.generation():
-        yield from _steps(session, prompt_tokens, sampler, reuse_prefix, on_prefilled, on_logits, forced)
+        yield from _steps(session, prompt_tokens, sampler, reuse_prefix, on_prefilled, on_logits, forced, template)
 
 
 def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_prefix: bool,
-           on_prefilled, on_logits, forced) -> Iterator[int]:
+           on_prefilled, on_logits, forced, template=None) -> Iterator[int]:
     t0 = time.perf_counter()
     if reuse_prefix:
         start = session.rewind_to_prefix(prompt_tokens)
@@ -140,7 +142,7 @@ def _steps(session: Session, prompt_tokens: list[int], sampler: Sampler, reuse_p
     else:
         start = 0
     sampler.accept(prompt_tokens[max(0, len(prompt_tokens) - sampler.history):])
-    session.feed(prompt_tokens[start:], is_prompt=True)
+    session.feed(prompt_tokens[start:], is_prompt=True, template=None if template is None else template[start:])
     if on_prefilled is not None:
         on_prefilled(start, time.perf_counter() - t0)
     while True:
@@ -275,7 +277,8 @@ def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int 
                     stopping_criteria: Callable[[np.ndarray, np.ndarray], bool] | None = None,
                     logits_processor: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
                     want_logits: bool = False,
-                    reasoning: ReasoningBudget | None = None) -> Iterator[GenerationResponse]:
+                    reasoning: ReasoningBudget | None = None,
+                    template: Sequence[bool] | None = None) -> Iterator[GenerationResponse]:
     """Yield one :class:`GenerationResponse` per sampled token until EOG (unless ignore_eog), a stop string,
     ``stopping_criteria`` or ``max_tokens`` (None: no limit; the KV budget bounds memory, not length). The last
     item's ``finish_reason`` says which; its ``stats.stop_reason`` is the same.
@@ -286,7 +289,8 @@ def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int 
     want_logits: each item carries that raw row (a copy).
     reasoning: count the tokens of the ``<think>`` block (``stats.n_reasoning_tokens``) and, with a budget >= 0,
     force its closing tag once the budget is spent (``stats.reasoning_forced_close``). Not while a grammar
-    constrains the sampling: the forced text would leave the grammar's state behind (it never saw it)."""
+    constrains the sampling: the forced text would leave the grammar's state behind (it never saw it).
+    template: one flag per prompt token, True where a chat template wrote it (``Observation.template``)."""
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ConfigError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
     if any(not isinstance(s, str) or not s for s in stop):
@@ -335,7 +339,7 @@ def stream_generate(session: Session, prompt_tokens: list[int], max_tokens: int 
 
     with session.sampling(sampling) as sampler:
         steps = generate_step(session, prompt_tokens, sampler, reuse_prefix, prefilled, hook,
-                              forced if thinking is not None and thinking.enforce else None)
+                              forced if thinking is not None and thinking.enforce else None, template)
         try:
             for tok in steps:
                 stats.decode_seconds += time.perf_counter() - clock[0]  # decoding the last token, sampling this

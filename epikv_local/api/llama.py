@@ -511,7 +511,8 @@ class Llama(LlamaExtras, Closing):
                          seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
                          mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
                          stopping_criteria=None, logits_processor=None, grammar=None,
-                         logit_bias=None, reasoning_budget: int | None = None) -> Iterator[ChunkStep]:
+                         logit_bias=None, reasoning_budget: int | None = None,
+                         template: list[bool] | None = None) -> Iterator[ChunkStep]:
         """``create_completion(..., stream=True)`` with the statistics: an iterator of :class:`ChunkStep`
         (the stream chunk and the generation's statistics as of it). The prompt is decoded and the first
         token sampled at the call, so bad input and a prompt that does not fit the budget raise here.
@@ -523,7 +524,9 @@ class Llama(LlamaExtras, Closing):
         stopping_criteria(input_ids, logits) -> bool: callables or lists of them. reasoning_budget: tokens
         allowed inside an open ``<think>`` block before ``</think>`` is forced (None: the Llama's; -1:
         unlimited). ``tfs_z`` is accepted and unused, as in llama-cpp-python. A newer call on this Llama
-        supersedes the stream: it then raises ConfigError at its next item.
+        supersedes the stream: it then raises ConfigError at its next item. template: one flag per prompt token,
+        True where a chat template wrote it (set by the chat path, :func:`.chat.template_marks`; policies such
+        as ``said_words`` rank those tokens below the caller's words).
         """
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
@@ -542,6 +545,8 @@ class Llama(LlamaExtras, Closing):
         tokens, prompt_text = self._prompt_tokens(prompt, suffix)
         if not tokens:
             raise ConfigError("the prompt is empty")
+        if template is not None and (suffix is not None or len(template) != len(tokens)):
+            raise ConfigError(f"template marks {len(template)} tokens of a prompt of {len(tokens)}")
         if self.max_prompt_tokens is not None and len(tokens) > self.max_prompt_tokens:
             raise ConfigError(f"the prompt has {len(tokens)} tokens, over the limit of {self.max_prompt_tokens} "
                               "(max_prompt_tokens)")
@@ -568,7 +573,7 @@ class Llama(LlamaExtras, Closing):
             session = self._slots.lease(tokens)
         items = stream_generate(session, tokens, max_tokens, sampling, tuple(stops), reuse_prefix=True,
                                 stopping_criteria=criteria, logits_processor=processor,
-                                want_logits=logprobs is not None, reasoning=reasoning)
+                                want_logits=logprobs is not None, reasoning=reasoning, template=template)
         if self._slots is not None:
             items = self._slots.holding(session, items)
         steps = Stream(primed(completion_chunks(items, model or self.model_path, echo_text, lp, on_done)))
@@ -634,7 +639,7 @@ class Llama(LlamaExtras, Closing):
         kwargs = chat_arguments(kwargs)
         if reasoning_budget is not None:
             check_budget(reasoning_budget)
-        call = HandlerCall(self, reasoning_budget)
+        call = HandlerCall(self, reasoning_budget, messages)
         try:
             return call, self.chat_handler(llama=call, messages=messages, stream=stream, **kwargs)
         except EpikvError:

@@ -103,6 +103,7 @@ class _Request:
     logits_all: bool
     logits_last: bool
     given: bool = False
+    template: list[bool] | None = None  # per token: written by a chat template (Observation.template)
     done: int = 0
     finished: bool = False
     error: BaseException | None = None
@@ -280,10 +281,11 @@ class SequencePool(Closing):
             return int(used.sum())
 
     def decode(self, session, tokens: list[int], logits_all: bool = False, logits_last: bool = True,
-               given: bool = False) -> None:
+               given: bool = False, template=None) -> None:
         """Decode ``tokens`` at ``session``'s next positions, in rounds shared with the other sequences; returns
         when all are decoded (the session's state then reflects them) or raises the error of its part."""
-        req = _Request(session, [int(t) for t in tokens], logits_all, logits_last, given)
+        req = _Request(session, [int(t) for t in tokens], logits_all, logits_last, given,
+                       None if template is None else [bool(t) for t in template])
         with self._cond:
             self._pending.append(req)
             self._cond.notify_all()
@@ -401,7 +403,8 @@ class SequencePool(Closing):
             rows = [start + i for i in range(n) if asked[start + i]]  # batch indices (llama_get_logits_ith)
             try:
                 req.session._after_decode(p, req.tokens[req.done:req.done + n], slice(start, start + n), len(tokens),
-                                          rows, self.round, dt, req.given)
+                                          rows, self.round, dt, req.given,
+                                          None if req.template is None else req.template[req.done:req.done + n])
                 req.done += n
                 req.finished = req.done == len(req.tokens)
             except BaseException as e:  # noqa: BLE001 - its policy's error is its own

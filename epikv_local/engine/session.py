@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -415,40 +416,46 @@ class Session(Closing):
         if self.n_past == 0:
             self.engine.begin_prompt(0, n_prompt)
 
-    def feed(self, tokens: list[int], logits: str = "last", is_prompt: bool = False) -> None:
+    def feed(self, tokens: list[int], logits: str = "last", is_prompt: bool = False,
+             template: Sequence[bool] | None = None) -> None:
         """Decode tokens at the next positions, in chunks, evicting before each chunk.
 
         logits: "last" (logits of the final token only) or "all" (every token of each chunk; only the last
-        chunk's rows stay readable through :meth:`logits`).
+        chunk's rows stay readable through :meth:`logits`). template: one flag per token of a prompt, True
+        where a chat template wrote it (``Observation.template``); None: not rendered from messages.
         """
         if logits not in ("last", "all"):
             raise ConfigError(f"logits must be 'last' or 'all', got {logits!r}")
         if not tokens:
             return
+        if template is not None and len(template) != len(tokens):
+            raise ConfigError(f"template marks {len(template)} tokens of a prompt of {len(tokens)}")
         if is_prompt:
             self.begin_prompt(len(tokens))
         chunk = self.engine.prefill_chunk(self.cfg.n_batch) if len(tokens) > 1 else 1
         for i in range(0, len(tokens), chunk):
             part = tokens[i:i + chunk]
             self.decode_chunk(part, logits_all=(logits == "all"), logits_last=(i + chunk >= len(tokens)),
-                              given=is_prompt)
+                              given=is_prompt, template=None if template is None else template[i:i + chunk])
         if is_prompt:
             self._prompt_end = (self.n_past, self.logits(-1).copy())
 
     def decode_chunk(self, part: list[int], logits_all: bool = False, logits_last: bool = True,
-                     given: bool = False) -> None:
+                     given: bool = False, template: Sequence[bool] | None = None) -> None:
         """Evict if needed, decode ``part`` (<= n_batch tokens) at the next positions, score the new tokens. In a
         shared pool the decode may carry other sequences' tokens too (``SequencePool.decode``). given: the
-        tokens are text the caller gave (a prompt), not the model's own (``Observation.given``)."""
+        tokens are text the caller gave (a prompt), not the model's own (``Observation.given``); template: per
+        token, whether a chat template wrote it (``Observation.template``)."""
         if self._generating:
             self._check_cancelled()
         if not 1 <= len(part) <= self.cfg.n_batch:
             raise ConfigError(f"decode takes 1..{self.cfg.n_batch} tokens, got {len(part)}")
         with self._use():
-            self.pool.decode(self, part, logits_all, logits_last, given)
+            self.pool.decode(self, part, logits_all, logits_last, given, template)
 
     def _after_decode(self, pos: np.ndarray, part: list[int], rows: slice, n_total: int, out_rows: list[int],
-                      round_: int, seconds: float, given: bool = False) -> None:
+                      round_: int, seconds: float, given: bool = False,
+                      template: Sequence[bool] | None = None) -> None:
         """The pool decoded ``part`` at ``pos`` as rows ``rows`` of a decode of ``n_total`` tokens (number
         ``round_``, taking ``seconds``): book the cells, route the captured rows to the policy. out_rows: the
         output rows the caller asked for (readable through :meth:`logits`); when the policy reads surprisal
@@ -460,6 +467,7 @@ class Session(Closing):
         self._rows, self._rows_round, self._kept = out_rows, round_, None
         obs = self.capture.observe(pos, rows, n_total)
         obs.given = np.full(len(part), given)
+        obs.template = None if template is None else np.asarray(template, dtype=bool)
         if self.pool.digits is not None:
             obs.numeric = self.pool.digits[np.asarray(part, dtype=np.int64)]
         if self.pool.signals.surprise:

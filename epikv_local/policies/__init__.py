@@ -86,6 +86,9 @@ _SPECS = [
     PolicySpec("said_prompt_surprise", SaidEpikvPolicy, {"prompt": True, "share": 0.5, "given_order": "surprise"},
                "as said_prompt, the caller's words ordered by the model's surprisal (a fact inside a long prompt), "
                "the model's own text by EPIKV"),
+    PolicySpec("said_words", SaidEpikvPolicy, {"prompt": True, "share": 0.5, "template_last": True},
+               "as said_prompt, the chat template's own text (role markers, a default system prompt) below the "
+               "caller's words in the given tier: the question before the boilerplate around it"),
     PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
                "cache at most); EPIKV's score within each"),
     PolicySpec("surprise", SurprisePolicy, help="the spans the model did not expect: its own surprisal of each "

@@ -81,6 +81,9 @@ class Observation:
     given: (T,) bool, True for tokens the caller gave (a prompt, a later chat turn: the user's or a tool's
         words) and False for tokens the model sampled or text fed without being a prompt (a teacher-forced
         trace); None when no session built the observation.
+    template: (T,) bool, True for given tokens that a chat template wrote around the caller's messages (role
+        markers, a default system prompt, the generation prompt) and False for the rest; None when the text
+        was not rendered from messages (a raw prompt, the model's own tokens).
     numeric: (T,) bool, True for tokens whose text holds a decimal digit 0-9; None unless the policy's
         signals ask for ``numbers``.
     surprise: (T,) float64 surprisal of each new token in nats, -log p(token | the cache before it) under the
@@ -96,6 +99,7 @@ class Observation:
     attn_received: np.ndarray | None = None
     attn_last: np.ndarray | None = None
     given: np.ndarray | None = None
+    template: np.ndarray | None = None
     numeric: np.ndarray | None = None
     surprise: np.ndarray | None = None
 

@@ -199,3 +199,45 @@ def test_said_prompt_surprise_orders_the_tier_by_surprise_and_the_models_own_by_
     assert np.all(np.diff(s[40:60]) > 0)  # the model's own text: the base's order, newer = keep
     p.reset()
     assert np.isnan(p._order.score(np.arange(4))).all()  # the order's state goes with a reset
+
+
+def test_template_last_puts_the_templates_words_below_the_callers_in_the_tier():
+    """``said_words``: the tokens a chat template wrote (a default system prompt, role markers, the generation
+    prompt) rank below the caller's words inside the tier, each group oldest first; where the tier is too small
+    for the whole prompt, the template's words go and the whole question stays. Without marks it is
+    ``said_prompt``."""
+    reg = make_policy("said_words")
+    assert (reg.prompt, reg.share, reg.base, reg.given_order, reg.template_last) == (True, 0.5, "epikv", "oldest", True)
+    template = np.zeros(30, dtype=bool)
+    template[0:8] = True  # the system turn and the user's role marker
+    template[26:30] = True  # the end of turn and the generation prompt
+    p = make_policy("said", prompt=True, share=0.5, template_last=True)
+    p.bind(SHAPE)
+    p.observe(Observation(positions=np.arange(30), given=np.ones(30, dtype=bool), template=template))
+    p.observe(Observation(positions=np.arange(30, 50), given=np.zeros(20, dtype=bool)))
+    s = p.score(np.arange(50))
+    tier = np.flatnonzero(s >= 2.0).tolist()
+    assert tier == list(range(0, 7)) + list(range(8, 26))  # 25 cells: the 18 words, then the 7 oldest template
+    assert s[8:26].min() > s[:30][template].max()  # every caller's word above every template word
+    assert np.all(np.diff(s[8:26]) < 0)  # the caller's words: oldest kept longest
+    assert np.all(np.diff(s[30:50]) > 0)  # the model's own text: the base's order (streaming: newer = keep)
+    plain = make_policy("said", prompt=True, share=0.5)
+    plain.bind(SHAPE)
+    plain.observe(Observation(positions=np.arange(30), given=np.ones(30, dtype=bool), template=template))
+    plain.observe(Observation(positions=np.arange(30, 50), given=np.zeros(20, dtype=bool)))
+    assert np.flatnonzero(plain.score(np.arange(50)) >= 2.0).tolist() == list(range(25))  # said_prompt: oldest 25
+    q = make_policy("said", prompt=True, share=0.5, template_last=True)
+    q.bind(SHAPE)
+    q.observe(Observation(positions=np.arange(30), given=np.ones(30, dtype=bool)))  # no marks: a raw prompt
+    q.observe(Observation(positions=np.arange(30, 50), given=np.zeros(20, dtype=bool)))
+    assert np.array_equal(q.score(np.arange(50)), plain.score(np.arange(50)))
+    p.reset()
+    assert np.isnan(p._template.values).all()
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_template_last_setting_is_a_bool(bad):
+    from epikv_local.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="template_last"):
+        make_policy("said", template_last=bad)
