@@ -389,12 +389,14 @@ def test_save_refuses_state_that_is_not_data(model, tmp_path):
     ("rkv", {}, False),                                     # a deque of attention rows (flash attention off)
     ("said_epikv", {}, True),                               # a base policy and the given/generated marks
     ("facts", {}, True),                                    # a base policy and the engine's digit marks
+    ("said_words", {}, True),                               # the given marks and the template's
 ])
 def test_every_kind_of_policy_state_round_trips(model, tmp_path, name, options, flash):
     mk = lambda: Session(model, make_policy(name, **options), BudgetConfig(kv_budget=40, n_recent=8),
                          SessionConfig(n_threads=1, flash_attn=flash))
     a = mk()
-    a.feed(model.tokenize("A short story about counting stars:"), is_prompt=True)
+    prompt = model.tokenize("A short story about counting stars:")
+    a.feed(prompt, is_prompt=True, template=[i < 3 for i in range(len(prompt))])  # as a chat template's marks
     continue_greedy(a, model, 50)
     assert a.stats().n_evicted > 0
     a.save_state(tmp_path / "s.epikv")

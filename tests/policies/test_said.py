@@ -241,3 +241,23 @@ def test_template_last_setting_is_a_bool(bad):
 
     with pytest.raises(ConfigError, match="template_last"):
         make_policy("said", template_last=bad)
+
+
+def test_template_last_with_the_surprise_order_ranks_the_callers_words_by_surprise_and_the_templates_last():
+    """``template_last`` with ``given_order="surprise"``: inside the tier the caller's words are ranked by the
+    model's surprisal, and the template's tokens (a role marker is very surprising to the model) still leave the
+    tier first."""
+    p = make_policy("said", prompt=True, share=0.5, given_order="surprise", template_last=True)
+    p.bind(SHAPE)
+    nll = np.full(40, 0.2)
+    nll[0:4] = 20.0  # role markers: very surprising
+    nll[20:24] = 30.0  # a fact late in the caller's words, more surprising still
+    template = np.zeros(30, dtype=bool)
+    template[0:4] = True
+    p.observe(Observation(positions=np.arange(30), given=np.ones(30, dtype=bool), template=template, surprise=nll[:30]))
+    p.observe(Observation(positions=np.arange(30, 40), given=np.zeros(10, dtype=bool), surprise=nll[30:]))
+    s = p.score(np.arange(40))
+    tier = set(np.flatnonzero(s >= 2.0).tolist())
+    assert len(tier) == 20 and set(range(20, 24)) <= tier  # share 0.5 of 40 cells; the fact has the tier
+    assert 11 not in tier  # an older, unsurprising word does not: not the oldest first
+    assert not tier & set(range(4))  # no template token while caller's words are left out
