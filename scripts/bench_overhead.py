@@ -16,7 +16,9 @@ in one process, and the script reports the median of the per-round ratios to ``p
 * ``surprise``         the model's own surprisal of each token (``policies/surprise.py``: every token's logits, so the
                        prompt pays the output layer per token; not run by default);
 * ``said_prompt_surprise`` EPIKV's capture plus every token's logits, the given marks and the prompt's tier ordered
-                       by surprise (``policies/said.py``; not run by default).
+                       by surprise (``policies/said.py``; not run by default);
+* ``said_words``       ``said_prompt`` with the template's tokens last in the tier (the tier is re-ranked on every
+                       eviction round whether or not the prompt carries a chat template's marks; not run by default).
 
 Steady state at equal occupancy: the prompt fills kv_budget - n_batch cells, then ``--tokens`` tokens are
 decoded; plain decoding fills the context's slack, the evicting policies hold it at the budget.
@@ -52,9 +54,10 @@ VARIANTS = {
     "epikv_span": dict(policy="epikv_span", flash_attn=True, route="layer_out", verify=True),
     "surprise": dict(policy="surprise", flash_attn=True, route="layer_out", verify=True),
     "said_prompt_surprise": dict(policy="said_prompt_surprise", flash_attn=True, route="layer_out", verify=True),
+    "said_words": dict(policy="said_words", flash_attn=True, route="layer_out", verify=True),
 }
 #: variants of one policy each, run when named (``--variants``), not by default
-EXTRA = ("facts", "said_prompt", "said_facts", "epikv_span", "surprise", "said_prompt_surprise")
+EXTRA = ("facts", "said_prompt", "said_facts", "epikv_span", "surprise", "said_prompt_surprise", "said_words")
 
 
 def main(argv=None) -> int:
