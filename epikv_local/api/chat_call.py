@@ -50,10 +50,13 @@ class HandlerCall:
             "utf-8", "replace")
         self.opens_thinking = prompt_opens_thinking(text)
         kwargs.setdefault("reasoning_budget", self.reasoning_budget)
-        if kwargs.get("suffix") is None and self.messages:
+        if kwargs.get("suffix") is None and self.messages:  # which tokens the template wrote, on the tokens the
+            # completion will decode (a text prompt is tokenized as completion_steps does)
             tokens = list(prompt) if not isinstance(prompt, str) else self._llama._prompt_tokens(prompt, None)[0]
-            prompt, kwargs["template"] = tokens, template_marks(
-                [self._llama._model.token_bytes(int(t), special=True) for t in tokens], self.messages)
+            n_vocab = self._llama.n_vocab()
+            if all(isinstance(t, int) and 0 <= t < n_vocab for t in tokens):  # else completion_steps refuses them
+                kwargs["template"] = template_marks(
+                    [self._llama._model.token_bytes(t, special=True) for t in tokens], self.messages)
         steps = self._recorded(self._llama.completion_steps(prompt, **kwargs))
         if stream:
             return steps
