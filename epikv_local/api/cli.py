@@ -107,7 +107,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from ..engine.handles import Model, check_gguf
     from ..engine.native import load
     from ..errors import ConfigError
-    from .chat import apply_chat_template, tokenize_prompt
+    from .chat import apply_chat_template, template_marks, tokenize_prompt
     from .generation import generate
     from .models import default_model_path
     from .options import check_grammar, reasoning_kwargs, sampling_config, session_kwargs
@@ -138,13 +138,17 @@ def run_generate(args: argparse.Namespace) -> int:
         check_grammar(model, sampling)
         text = apply_chat_template(model, prompt, system=args.system) if args.chat else prompt
         tokens = tokenize_prompt(model, text)
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": prompt}]
+        template = template_marks([model.token_bytes(t, special=True) for t in tokens], messages) if args.chat \
+            else None  # which tokens the chat template wrote (said_words ranks them last)
         stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
         with spec.open(model, record=view is not None) as session:
             session.check_prompt(len(tokens))
             if spec.calibration is not None:  # said once the settings are known to work: errors stay one line
                 print(f"epikv-local: using calibration {spec.calibration.path}", file=sys.stderr)
             result = generate(session, tokens, args.max_tokens, sampling, tuple(args.stop), on_text=stream,
-                              ignore_eog=args.ignore_eos, **reasoning)
+                              ignore_eog=args.ignore_eos, template=template, **reasoning)
             if view is not None:
                 view.add(session, tokens, result, spec.calibration.path if spec.calibration else None)
         if view is not None:

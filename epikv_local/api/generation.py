@@ -399,12 +399,15 @@ class GenerationResult:
 
 def generate(session: Session, prompt_tokens: list[int], max_tokens: int | None,
              sampling: SamplingConfig = SamplingConfig(), stop: tuple[str, ...] = (),
-             on_text=None, ignore_eog: bool = False, reuse_prefix: bool = False) -> GenerationResult:
-    """Run stream_generate to the end; on_text(piece) is called for each text piece (streaming output)."""
+             on_text=None, ignore_eog: bool = False, reuse_prefix: bool = False,
+             template: Sequence[bool] | None = None) -> GenerationResult:
+    """Run stream_generate to the end; on_text(piece) is called for each text piece (streaming output).
+    template: one flag per prompt token, True where a chat template wrote it (``Observation.template``)."""
     parts: list[str] = []
     tokens: list[int] = []
     last = None
-    for last in stream_generate(session, prompt_tokens, max_tokens, sampling, stop, ignore_eog, reuse_prefix):
+    for last in stream_generate(session, prompt_tokens, max_tokens, sampling, stop, ignore_eog, reuse_prefix,
+                                template=template):
         if last.generated:
             tokens.append(last.token)
         if last.text:

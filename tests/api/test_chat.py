@@ -69,3 +69,25 @@ def test_a_chat_turn_hands_the_policy_the_templates_tokens(model_path):
         llm.reset()
         llm.create_completion("<|im_start|>user\n" + question + "<|im_end|>\n", max_tokens=2, temperature=0)
         assert np.all(llm.session.policy._template.values[:len(llm.session.tokens)] == 0.0)
+
+
+def test_a_rendered_chat_prompt_marks_the_template_for_generate(model):
+    """The CLI's ``generate --chat`` path: the template rendered to text, tokenized, marked with the messages
+    (``template_marks``) and handed to ``generate``, whose policy then holds the marks."""
+    from epikv_local.api.chat import apply_chat_template, tokenize_prompt
+    from epikv_local.api.generation import generate
+    from epikv_local.engine.budget import BudgetConfig
+    from epikv_local.engine.sampling import SamplingConfig
+    from epikv_local.engine.session import Session, SessionConfig
+    from epikv_local.policies import make_policy
+
+    question = "Name three colours."
+    tokens = tokenize_prompt(model, apply_chat_template(model, question))
+    marks = template_marks([model.token_bytes(t, special=True) for t in tokens], [{"role": "user", "content": question}])
+    assert marks is not None and 0 < sum(marks) < len(marks)
+    assert b"".join(model.token_bytes(t, special=True) for t, m in zip(tokens, marks) if not m).strip() == \
+        question.encode()
+    with Session(model, make_policy("said_words"), BudgetConfig(kv_budget=96, protect_prompt=False),
+                 SessionConfig(n_threads=2)) as s:
+        generate(s, tokens, 4, SamplingConfig(), template=marks)
+        assert s.policy._template.values[:len(tokens)].tolist() == [float(m) for m in marks]
