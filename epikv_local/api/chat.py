@@ -102,6 +102,11 @@ def message_problem(message: dict) -> tuple[str, str] | None:
     return ("content", why) if why else tool_calls_problem(message)
 
 
+def prompt_template_marks(model, tokens: list[int], messages: list[dict]) -> list[bool] | None:
+    """:func:`template_marks` of a tokenized prompt (valid token ids of ``model``, an engine Model)."""
+    return template_marks([model.token_bytes(int(t), special=True) for t in tokens], messages)
+
+
 def template_marks(pieces: list[bytes], messages: list[dict]) -> list[bool] | None:
     """Per token of a rendered chat prompt, whether the chat template wrote it (``Observation.template``).
 

@@ -9,7 +9,7 @@ from typing import Iterator
 
 from ..errors import ConfigError
 from . import responses
-from .chat import template_marks
+from .chat import prompt_template_marks
 from .reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning
 from .responses import ChunkStep
 
@@ -52,11 +52,9 @@ class HandlerCall:
         kwargs.setdefault("reasoning_budget", self.reasoning_budget)
         if kwargs.get("suffix") is None and self.messages:  # which tokens the template wrote, on the tokens the
             # completion will decode (a text prompt is tokenized as completion_steps does)
+            # (a token list was validated by the detokenize above)
             tokens = list(prompt) if not isinstance(prompt, str) else self._llama._prompt_tokens(prompt, None)[0]
-            n_vocab = self._llama.n_vocab()
-            if all(isinstance(t, int) and 0 <= t < n_vocab for t in tokens):  # else completion_steps refuses them
-                kwargs["template"] = template_marks(
-                    [self._llama._model.token_bytes(t, special=True) for t in tokens], self.messages)
+            kwargs["template"] = prompt_template_marks(self._llama._model, tokens, self.messages)
         steps = self._recorded(self._llama.completion_steps(prompt, **kwargs))
         if stream:
             return steps

@@ -107,7 +107,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from ..engine.handles import Model, check_gguf
     from ..engine.native import load
     from ..errors import ConfigError
-    from .chat import apply_chat_template, template_marks, tokenize_prompt
+    from .chat import apply_chat_template, prompt_template_marks, tokenize_prompt
     from .generation import generate
     from .models import default_model_path
     from .options import check_grammar, reasoning_kwargs, sampling_config, session_kwargs
@@ -140,7 +140,7 @@ def run_generate(args: argparse.Namespace) -> int:
         tokens = tokenize_prompt(model, text)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": prompt}]
-        template = template_marks([model.token_bytes(t, special=True) for t in tokens], messages) if args.chat \
+        template = prompt_template_marks(model, tokens, messages) if args.chat \
             else None  # which tokens the chat template wrote (said_words ranks them last)
         stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
         with spec.open(model, record=view is not None) as session:

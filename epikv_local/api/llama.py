@@ -545,7 +545,8 @@ class Llama(LlamaExtras, Closing):
         tokens, prompt_text = self._prompt_tokens(prompt, suffix)
         if not tokens:
             raise ConfigError("the prompt is empty")
-        if template is not None and (suffix is not None or len(template) != len(tokens)):
+        if template is not None and (suffix is not None or len(template) != len(tokens)):  # checked here: a
+            # reused prefix leaves the engine only the rest to check
             raise ConfigError(f"template marks {len(template)} tokens of a prompt of {len(tokens)}")
         if self.max_prompt_tokens is not None and len(tokens) > self.max_prompt_tokens:
             raise ConfigError(f"the prompt has {len(tokens)} tokens, over the limit of {self.max_prompt_tokens} "

@@ -103,7 +103,7 @@ class _Request:
     logits_all: bool
     logits_last: bool
     given: bool = False
-    template: list[bool] | None = None  # per token: written by a chat template (Observation.template)
+    template: np.ndarray | None = None  # (len(tokens),) bool: written by a chat template (Observation.template)
     done: int = 0
     finished: bool = False
     error: BaseException | None = None
@@ -285,7 +285,7 @@ class SequencePool(Closing):
         """Decode ``tokens`` at ``session``'s next positions, in rounds shared with the other sequences; returns
         when all are decoded (the session's state then reflects them) or raises the error of its part."""
         req = _Request(session, [int(t) for t in tokens], logits_all, logits_last, given,
-                       None if template is None else [bool(t) for t in template])
+                       None if template is None else np.asarray(template, dtype=bool))
         with self._cond:
             self._pending.append(req)
             self._cond.notify_all()

@@ -455,7 +455,7 @@ class Session(Closing):
 
     def _after_decode(self, pos: np.ndarray, part: list[int], rows: slice, n_total: int, out_rows: list[int],
                       round_: int, seconds: float, given: bool = False,
-                      template: Sequence[bool] | None = None) -> None:
+                      template: np.ndarray | None = None) -> None:
         """The pool decoded ``part`` at ``pos`` as rows ``rows`` of a decode of ``n_total`` tokens (number
         ``round_``, taking ``seconds``): book the cells, route the captured rows to the policy. out_rows: the
         output rows the caller asked for (readable through :meth:`logits`); when the policy reads surprisal
@@ -467,7 +467,7 @@ class Session(Closing):
         self._rows, self._rows_round, self._kept = out_rows, round_, None
         obs = self.capture.observe(pos, rows, n_total)
         obs.given = np.full(len(part), given)
-        obs.template = None if template is None else np.asarray(template, dtype=bool)
+        obs.template = template
         if self.pool.digits is not None:
             obs.numeric = self.pool.digits[np.asarray(part, dtype=np.int64)]
         if self.pool.signals.surprise:
