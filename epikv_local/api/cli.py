@@ -152,7 +152,8 @@ def run_generate(args: argparse.Namespace) -> int:
             if view is not None:
                 view.add(session, tokens, result, spec.calibration.path if spec.calibration else None)
         if view is not None:
-            view.run_compare(model, tokens, sampling, args.max_tokens, tuple(args.stop), args.ignore_eos)
+            view.run_compare(model, tokens, sampling, args.max_tokens, tuple(args.stop), args.ignore_eos,
+                             template=template)
     if view is not None:
         view.write(prompt, page_meta(model_path, sampling, args.chat))
     stats = result.stats.as_dict()

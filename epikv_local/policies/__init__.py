@@ -89,6 +89,14 @@ _SPECS = [
     PolicySpec("said_words", SaidEpikvPolicy, {"prompt": True, "share": 0.5, "template_last": True},
                "as said_prompt, the chat template's own text (role markers, a default system prompt) below the "
                "caller's words in the given tier: the question before the boilerplate around it"),
+    PolicySpec("said_words_surprise", SaidEpikvPolicy, {"prompt": True, "share": 0.5, "given_order": "surprise",
+                                                        "template_last": True},
+               "as said_words, the caller's words ordered by the model's surprisal (a fact inside a long prompt), "
+               "the chat template's text below them"),
+    PolicySpec("said_words_either", SaidEpikvPolicy, {"prompt": True, "share": 0.5,
+                                                      "given_order": "oldest_or_surprise", "template_last": True},
+               "as said_words, a caller's word kept while it is among the oldest or the most surprising (a "
+               "question whole from its start, a fact deep in a long prompt), the chat template's text below"),
     PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
                "cache at most); EPIKV's score within each"),
     PolicySpec("surprise", SurprisePolicy, help="the spans the model did not expect: its own surprisal of each "

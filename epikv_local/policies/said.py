@@ -36,7 +36,9 @@ registered as ``said_facts`` with ``prompt=True`` and a recent share of 0.25) or
 (:class:`SurprisePolicy`: the model's own surprisal, a window mean; registered as ``said_surprise`` with
 ``prompt=True`` and ``given_order="base"``: the prompt's tier holds its most surprising words, up to ``share``).
 ``said_prompt_surprise`` is ``said_prompt`` with ``given_order="surprise"``: the caller's words ordered by
-the model's surprisal, its own tokens by EPIKV.
+the model's surprisal, its own tokens by EPIKV. ``"oldest_or_surprise"`` ranks a given word by the higher of
+its two ranks (oldest first, most surprising first), so the tier holds the oldest words and the most surprising
+ones in about equal numbers: ``said_words_surprise`` with the template last.
 
 ``template_last`` ranks the given tokens that a chat template wrote around the messages (``Observation.template``:
 role markers, a default system prompt the template adds, the generation prompt) below the caller's own words in
@@ -67,7 +69,7 @@ from .streaming import StreamingLLM
 from .surprise import SurprisePolicy
 
 BASES = ("streaming", "epikv", "keydiff", "facts", "surprise")
-ORDERS = ("oldest", "base", "surprise")
+ORDERS = ("oldest", "base", "surprise", "oldest_or_surprise")
 
 
 @dataclass
@@ -96,8 +98,8 @@ class SaidPolicy(Policy):
                               "facts": lambda: FactsPolicy(layers=self.layers, window=self.window),
                               "surprise": lambda: SurprisePolicy()}[self.base]()
         # the given tier's own order: the model's surprisal while the base orders the model's own tokens
-        self._order: Policy | None = (SurprisePolicy() if self.given_order == "surprise" and self.base != "surprise"
-                                      else None)
+        self._order: Policy | None = (SurprisePolicy() if self.given_order in ("surprise", "oldest_or_surprise")
+                                      and self.base != "surprise" else None)
         self._given = PositionScores()  # 1.0: given in a later turn, 0.0: otherwise, NaN: never decoded
         self._answered = False  # the model has produced a token: what is given from now on is a later turn
         if self.template_last:  # 1.0: a chat template wrote it (Observation.template), 0.0: otherwise
@@ -136,12 +138,15 @@ class SaidPolicy(Policy):
         positions = np.asarray(positions, dtype=np.int64)
         rank = rank01(self._base.score(positions))
         given = np.flatnonzero(self._given.get(positions) == 1.0)
+        oldest = rank01(-positions[given].astype(np.float64))
         if self.given_order == "oldest":
-            within = rank01(-positions[given].astype(np.float64))
-        elif self._order is not None:  # "surprise" over another base
-            within = rank01(self._order.score(positions[given]))
-        else:  # "base", or "surprise" over the surprise base
-            within = rank[given]
+            within = oldest
+        else:
+            within = (rank01(self._order.score(positions[given])) if self._order is not None  # surprise, another base
+                      else rank[given])  # "base", or surprise over the surprise base
+            if self.given_order == "oldest_or_surprise":  # kept while among the oldest or the most surprising:
+                # a question that nearly fits stays whole from its start, a fact deep in a long text by surprise
+                within = rank01(np.maximum(oldest, within))
         if self.template_last:  # the template's own text (role markers, a default system prompt) below the
             # caller's words, each group in its own order
             within = rank01(within - 2.0 * (self._template.get(positions[given]) == 1.0))

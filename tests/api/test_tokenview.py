@@ -314,3 +314,27 @@ def test_page_renders_in_headless_chromium(page, tmp_path):
     assert (width, height) == (1400, 1000)
     assert distinct > 32, f"the screenshot looks blank ({distinct} distinct byte values)"
     assert png.stat().st_size > 20_000
+
+
+def test_a_chat_page_hands_said_words_the_templates_tokens(model_path, model):
+    """``token_view(chat=True)`` marks the chat template's tokens as the chat path does, so ``said_words`` (the
+    caller's words before the template's) evicts SmolLM2's default system prompt before the question, where
+    ``said_prompt`` (the same policy without the marks' tier) keeps the oldest prompt tokens, the template's
+    first."""
+    from epikv_local import token_view
+    from epikv_local.api.chat import apply_chat_template, prompt_template_marks, tokenize_prompt
+
+    question = ("A baker bakes 48 loaves on Monday and three times as many on Tuesday; she sells all but 17 of "
+                "them and gives the rest to a shelter. How many loaves does the shelter get?")
+    runs = token_view(model_path, question, policies=("said_words", "said_prompt"), kv_budget=48, n_recent=12,
+                      max_tokens=24, chat=True, out=None, protect_prompt=False, ignore_eog=True)
+    tokens = tokenize_prompt(model, apply_chat_template(model, question))
+    marks = prompt_template_marks(model, tokens, [{"role": "user", "content": question}])
+    assert marks is not None and 0 < sum(marks) < len(marks)
+
+    def evicted_template(run):
+        return sum(1 for r in run.records[:len(tokens)] if marks[r.position] and r.evicted_round is not None)
+
+    words, prompt = runs
+    assert words.n_prompt == prompt.n_prompt == len(tokens)
+    assert evicted_template(words) > evicted_template(prompt)

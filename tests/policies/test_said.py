@@ -261,3 +261,36 @@ def test_template_last_with_the_surprise_order_ranks_the_callers_words_by_surpri
     assert len(tier) == 20 and set(range(20, 24)) <= tier  # share 0.5 of 40 cells; the fact has the tier
     assert 11 not in tier  # an older, unsurprising word does not: not the oldest first
     assert not tier & set(range(4))  # no template token while caller's words are left out
+
+
+def test_oldest_or_surprise_keeps_the_oldest_words_and_the_most_surprising_ones():
+    """``given_order="oldest_or_surprise"`` (registered ``said_words_either``, with the template last): a caller's
+    word keeps the tier while it is among the oldest or among the most surprising, so a tier far smaller than the
+    words holds both the start of the text and a fact deep inside it, and a template token still leaves first."""
+    reg = make_policy("said_words_either")
+    assert (reg.prompt, reg.share, reg.base, reg.given_order, reg.template_last) == \
+        (True, 0.5, "epikv", "oldest_or_surprise", True)
+    sig = reg.bind(SHAPE)
+    assert sig.surprise and len(sig.g_layers) > 0
+    p = make_policy("said", prompt=True, share=0.5, given_order="oldest_or_surprise", template_last=True)
+    p.bind(SHAPE)
+    nll = np.random.default_rng(3).uniform(0.1, 1.0, 100)  # nats, no ties
+    nll[60:64] = 12.0 + np.arange(4)  # a fact deep in the caller's words
+    template = np.zeros(80, dtype=bool)
+    template[0:3] = True  # a role marker: as surprising as the fact
+    nll[0:3] = 15.0
+    p.observe(Observation(positions=np.arange(80), given=np.ones(80, dtype=bool), template=template, surprise=nll[:80]))
+    p.observe(Observation(positions=np.arange(80, 100), given=np.zeros(20, dtype=bool), surprise=nll[80:]))
+    s = p.score(np.arange(100))
+    tier = set(np.flatnonzero(s >= 2.0).tolist())
+    assert len(tier) == 50  # share 0.5 of 100 cells: 50 of the 77 caller's words
+    assert set(range(60, 64)) <= tier  # the fact, deep in the text: by surprise
+    assert set(range(3, 20)) <= tier  # the text's start: the oldest words
+    assert not tier & set(range(3))  # the template's tokens first out, surprising as they are
+    oldest = make_policy("said", prompt=True, share=0.5, template_last=True)
+    oldest.bind(SHAPE)
+    oldest.observe(Observation(positions=np.arange(80), given=np.ones(80, dtype=bool), template=template))
+    oldest.observe(Observation(positions=np.arange(80, 100), given=np.zeros(20, dtype=bool)))
+    assert not set(range(60, 64)) & set(np.flatnonzero(oldest.score(np.arange(100)) >= 2.0).tolist())
+    with pytest.raises(Exception, match="given_order"):
+        make_policy("said", given_order="newest")

@@ -342,13 +342,13 @@ def test_accuracy_pages_replay_the_benchmark(tmp_path):
     script says how many differ), and each run carries its verdict."""
     data, records = _tiny_gsm8k(tmp_path), tmp_path / "r.jsonl"
     common = ("--data", data, "--prompt", "counted", "--max-tokens", "48")
-    run("bench_accuracy.py", *common, "--policies", "streaming,epikv", "--budgets", "80", "--records", records,
+    run("bench_accuracy.py", *common, "--policies", "streaming,said_words", "--budgets", "80", "--records", records,
         "--out", tmp_path / "a.json")
     recs = [json.loads(x) for x in records.read_text().splitlines()]
     assert len(recs) == 6 and any(r["n_evicted"] for r in recs)
     page = tmp_path / "page.html"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "accuracy_pages.py"), *map(str, common),
-                        "--policies", "streaming,epikv", "--budget", "80", "--ids", "p0,p1", "--records", str(records),
+                        "--policies", "streaming,said_words", "--budget", "80", "--ids", "p0,p1", "--records", str(records),
                         "--out", str(page)], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 cases written" in r.stderr and "0 of 6 answers checked differ from the records" in r.stderr, r.stderr

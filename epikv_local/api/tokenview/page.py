@@ -17,7 +17,7 @@ from ...engine.handles import Model, check_gguf
 from ...engine.sampling import SamplingConfig
 from ...engine.session import Session, SessionConfig
 from ...errors import ConfigError
-from ..chat import apply_chat_template, tokenize_prompt
+from ..chat import apply_chat_template, prompt_template_marks, tokenize_prompt
 from ..generation import GenerationResult
 from ..models import default_model_path
 from ..session_spec import resolve_session
@@ -49,14 +49,16 @@ class PageBuilder:
         return run
 
     def run_compare(self, model: Model, prompt_tokens: Sequence[int], sampling: SamplingConfig,
-                    max_tokens: int | None, stop: tuple[str, ...] = (), ignore_eog: bool = False) -> TokenRun | None:
-        """Run the comparison policy with the same prompt, budget (its own recent share, as ``--policy`` would
-        give it), sampling and seed; None without one."""
+                    max_tokens: int | None, stop: tuple[str, ...] = (), ignore_eog: bool = False,
+                    template: Sequence[bool] | None = None) -> TokenRun | None:
+        """Run the comparison policy with the same prompt (and its chat template marks), budget (its own recent
+        share, as ``--policy`` would give it), sampling and seed; None without one."""
         if self.compare is None:
             return None
         spec, cal = self.compare, self.compare.calibration
         run = run_tokens(model, prompt_tokens, spec.policy, spec.budget, spec.config, sampling, max_tokens,
-                         stop, ignore_eog, label=self.compare_name, calibration=cal.path if cal else None)
+                         stop, ignore_eog, label=self.compare_name, calibration=cal.path if cal else None,
+                         template=template)
         self.runs.append(run)
         return run
 
@@ -93,10 +95,12 @@ def token_view(model_path: str | os.PathLike | None, prompt: str, policies: Sequ
     with Model(path, n_gpu_layers=n_gpu_layers) as model:
         text = apply_chat_template(model, prompt, system=system) if chat else prompt
         tokens = tokenize_prompt(model, text)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        template = prompt_template_marks(model, tokens, messages) if chat else None  # as the CLI's generate --chat
         for name, spec in zip(policies, specs):
             cal = spec.calibration
             runs.append(run_tokens(model, tokens, spec.policy, spec.budget, spec.config, sampling, max_tokens, stop,
-                                   ignore_eog, label=name, calibration=cal.path if cal else None))
+                                   ignore_eog, label=name, calibration=cal.path if cal else None, template=template))
     if out is not None:
         write_html(out, runs, prompt=prompt, meta=page_meta(path, sampling, chat))
     return runs

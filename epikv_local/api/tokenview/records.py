@@ -195,12 +195,13 @@ def run_tokens(model: Model, prompt_tokens: Sequence[int], policy: Policy, budge
                cfg: SessionConfig | None = None, sampling: SamplingConfig = SamplingConfig(),
                max_tokens: int | None = 256, stop: tuple[str, ...] = (), ignore_eog: bool = False,
                on_text: Callable[[str], object] | None = None, label: str | None = None,
-               calibration: str | None = None) -> TokenRun:
+               calibration: str | None = None, template: Sequence[bool] | None = None) -> TokenRun:
     """Generate from ``prompt_tokens`` under ``policy`` and ``budget`` on a new recording session and return
-    the token view of the run (one record per position, prompt and generated)."""
+    the token view of the run (one record per position, prompt and generated). template: one flag per prompt
+    token, True where a chat template wrote it (as the chat path passes them: ``said_words`` needs them)."""
     tokens = [int(t) for t in prompt_tokens]
     with Session(model, policy, budget, cfg, record=True) as session:
         session.check_prompt(len(tokens))
         result = generate(session, tokens, max_tokens, sampling, tuple(stop), on_text=on_text,
-                          ignore_eog=ignore_eog)
+                          ignore_eog=ignore_eog, template=template)
         return collect_run(session, tokens, result, label=label, calibration=calibration)
