@@ -38,7 +38,8 @@ registered as ``said_facts`` with ``prompt=True`` and a recent share of 0.25) or
 ``said_prompt_surprise`` is ``said_prompt`` with ``given_order="surprise"``: the caller's words ordered by
 the model's surprisal, its own tokens by EPIKV. ``"oldest_or_surprise"`` ranks a given word by the higher of
 its two ranks (oldest first, most surprising first), so the tier holds the oldest words and the most surprising
-ones in about equal numbers: ``said_words_surprise`` with the template last.
+ones in about equal numbers (both ranks are taken over all the given words, the template's included): registered
+with the template last as ``said_words_either``.
 
 ``template_last`` ranks the given tokens that a chat template wrote around the messages (``Observation.template``:
 role markers, a default system prompt the template adds, the generation prompt) below the caller's own words in
@@ -146,7 +147,7 @@ class SaidPolicy(Policy):
                       else rank[given])  # "base", or surprise over the surprise base
             if self.given_order == "oldest_or_surprise":  # kept while among the oldest or the most surprising:
                 # a question that nearly fits stays whole from its start, a fact deep in a long text by surprise
-                within = rank01(np.maximum(oldest, within))
+                within = rank01(np.maximum(oldest, rank01(within)))  # both ranks over the given words
         if self.template_last:  # the template's own text (role markers, a default system prompt) below the
             # caller's words, each group in its own order
             within = rank01(within - 2.0 * (self._template.get(positions[given]) == 1.0))
