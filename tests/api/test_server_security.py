@@ -289,8 +289,12 @@ def test_itemA_cors_pages_from_other_origins_are_refused_in_chromium(model_path,
             served = s.health()["served"]
             pages["html"] = PAGE % {"url": s.base, "key": "k", "pages": other}
             refused = browser_result(other + "/page.html", tmp_path / "b")
-            refused_data = browser_result("data:text/html;charset=utf-8," + urllib.parse.quote(pages["html"]),
-                                          tmp_path / "c")
+            data_url = "data:text/html;charset=utf-8," + urllib.parse.quote(pages["html"])
+            for attempt in range(3):  # a data: page (origin null) may load before its refused fetch settles: the
+                # DOM is then dumped still "pending" (seen once in a full run), which says nothing; ask again
+                refused_data = browser_result(data_url, tmp_path / f"c{attempt}")
+                if refused_data != "pending":
+                    break
             assert s.health()["served"] == served == 1
     assert ok.startswith("ok:200:"), ok
     assert refused.startswith("error:") and refused_data.startswith("error:"), (refused, refused_data)
