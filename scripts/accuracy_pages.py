@@ -58,7 +58,7 @@ def pick_from_records(rows: list[dict], names: list[str], problems: list[dict], 
 
 
 def run(args) -> int:
-    from epikv_local.api.chat import apply_chat_template, prompt_template_marks, tokenize_prompt
+    from epikv_local.api.chat import chat_prompt
     from epikv_local.api.models import default_model_path
     from epikv_local.api.session_spec import resolve_session
     from epikv_local.api.tokenview import Case, Mark, check_output_path, render_cases, run_tokens, write_atomic
@@ -113,10 +113,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with Model(model_path) as model:
         for p in chosen:
-            question = f"{p['question']}\n{INSTRUCTION}"
-            tokens = tokenize_prompt(model, apply_chat_template(model, question))
             # the chat template's tokens marked, as bench_accuracy's create_chat_completion marks them
-            template = prompt_template_marks(model, tokens, [{"role": "user", "content": question}])
+            tokens, template = chat_prompt(model, f"{p['question']}\n{INSTRUCTION}")
             runs, marks = [], []
             for (name, _, budget), spec in zip(columns, specs):
                 cal = spec.calibration

@@ -16,9 +16,20 @@ def apply_chat_template(model: Model, prompt: str, system: str | None = None) ->
     template = model.meta("tokenizer.chat_template")
     if not template:
         raise ModelError(f"model {model.path.name} has no chat template (tokenizer.chat_template); drop --chat")
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     fmt = Jinja2ChatFormatter(template=template, eos_token=model.eos_text(), bos_token=model.bos_text())
-    return fmt(messages=messages).prompt
+    return fmt(messages=single_turn(prompt, system)).prompt
+
+
+def single_turn(prompt: str, system: str | None = None) -> list[dict]:
+    """The messages of a single-turn chat: an optional system message, then the user's prompt."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def chat_prompt(model: Model, prompt: str, system: str | None = None) -> tuple[list[int], list[bool] | None]:
+    """A single-turn chat rendered with the model's template and tokenized (:func:`tokenize_prompt`), with one
+    mark per token, True where the template wrote it (:func:`template_marks`; None when nothing can be marked)."""
+    tokens = tokenize_prompt(model, apply_chat_template(model, prompt, system))
+    return tokens, prompt_template_marks(model, tokens, single_turn(prompt, system))
 
 
 def tokenize_prompt(model: Model, text: str) -> list[int]:

@@ -51,8 +51,8 @@ class HandlerCall:
         self.opens_thinking = prompt_opens_thinking(text)
         kwargs.setdefault("reasoning_budget", self.reasoning_budget)
         if kwargs.get("suffix") is None and self.messages:  # which tokens the template wrote, on the tokens the
-            # completion will decode (a text prompt is tokenized as completion_steps does)
-            # (a token list was validated by the detokenize above)
+            # completion will decode (a text prompt tokenized as completion_steps does; a token list was validated
+            # by the detokenize above)
             tokens = list(prompt) if not isinstance(prompt, str) else self._llama._prompt_tokens(prompt, None)[0]
             kwargs["template"] = prompt_template_marks(self._llama._model, tokens, self.messages)
         steps = self._recorded(self._llama.completion_steps(prompt, **kwargs))

@@ -107,7 +107,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from ..engine.handles import Model, check_gguf
     from ..engine.native import load
     from ..errors import ConfigError
-    from .chat import apply_chat_template, prompt_template_marks, tokenize_prompt
+    from .chat import chat_prompt, tokenize_prompt
     from .generation import generate
     from .models import default_model_path
     from .options import check_grammar, reasoning_kwargs, sampling_config, session_kwargs
@@ -136,12 +136,11 @@ def run_generate(args: argparse.Namespace) -> int:
     nat = load(verbose=args.verbose)
     with Model(model_path, n_gpu_layers=args.n_gpu_layers, native=nat, rpc_servers=args.rpc) as model:
         check_grammar(model, sampling)
-        text = apply_chat_template(model, prompt, system=args.system) if args.chat else prompt
-        tokens = tokenize_prompt(model, text)
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-            [{"role": "user", "content": prompt}]
-        template = prompt_template_marks(model, tokens, messages) if args.chat \
-            else None  # which tokens the chat template wrote (said_words ranks them last)
+        # with --chat, which tokens the chat template wrote (said_words ranks them last)
+        if args.chat:
+            tokens, template = chat_prompt(model, prompt, args.system)
+        else:
+            tokens, template = tokenize_prompt(model, prompt), None
         stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
         with spec.open(model, record=view is not None) as session:
             session.check_prompt(len(tokens))

@@ -139,15 +139,15 @@ class SaidPolicy(Policy):
         positions = np.asarray(positions, dtype=np.int64)
         rank = rank01(self._base.score(positions))
         given = np.flatnonzero(self._given.get(positions) == 1.0)
-        oldest = rank01(-positions[given].astype(np.float64))
+        older = -positions[given].astype(np.float64)  # higher = older
         if self.given_order == "oldest":
-            within = oldest
+            within = rank01(older)
         else:
             within = (rank01(self._order.score(positions[given])) if self._order is not None  # surprise, another base
                       else rank[given])  # "base", or surprise over the surprise base
             if self.given_order == "oldest_or_surprise":  # kept while among the oldest or the most surprising:
                 # a question that nearly fits stays whole from its start, a fact deep in a long text by surprise
-                within = rank01(np.maximum(oldest, rank01(within)))  # both ranks over the given words
+                within = rank01(np.maximum(rank01(older), rank01(within)))  # both ranks over the given words
         if self.template_last:  # the template's own text (role markers, a default system prompt) below the
             # caller's words, each group in its own order
             within = rank01(within - 2.0 * (self._template.get(positions[given]) == 1.0))

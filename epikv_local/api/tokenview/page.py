@@ -17,7 +17,7 @@ from ...engine.handles import Model, check_gguf
 from ...engine.sampling import SamplingConfig
 from ...engine.session import Session, SessionConfig
 from ...errors import ConfigError
-from ..chat import apply_chat_template, prompt_template_marks, tokenize_prompt
+from ..chat import chat_prompt, tokenize_prompt
 from ..generation import GenerationResult
 from ..models import default_model_path
 from ..session_spec import resolve_session
@@ -93,10 +93,7 @@ def token_view(model_path: str | os.PathLike | None, prompt: str, policies: Sequ
                              protect_prompt=protect_prompt, evict_chunk=evict_chunk, **config) for name in policies]
     runs = []
     with Model(path, n_gpu_layers=n_gpu_layers) as model:
-        text = apply_chat_template(model, prompt, system=system) if chat else prompt
-        tokens = tokenize_prompt(model, text)
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        template = prompt_template_marks(model, tokens, messages) if chat else None  # as the CLI's generate --chat
+        tokens, template = chat_prompt(model, prompt, system) if chat else (tokenize_prompt(model, prompt), None)
         for name, spec in zip(policies, specs):
             cal = spec.calibration
             runs.append(run_tokens(model, tokens, spec.policy, spec.budget, spec.config, sampling, max_tokens, stop,
