@@ -18,7 +18,9 @@ in one process, and the script reports the median of the per-round ratios to ``p
 * ``said_prompt_surprise`` EPIKV's capture plus every token's logits, the given marks and the prompt's tier ordered
                        by surprise (``policies/said.py``; not run by default);
 * ``said_words``       ``said_prompt`` with the template's tokens last in the tier (the tier is re-ranked on every
-                       eviction round whether or not the prompt carries a chat template's marks; not run by default).
+                       eviction round whether or not the prompt carries a chat template's marks; not run by default);
+* ``said_words_deep``  ``said_words`` reading every token's logits for its surprise slots (the prompt pays the output
+                       layer per token, as ``surprise``; not run by default).
 
 Steady state at equal occupancy: the prompt fills kv_budget - n_batch cells, then ``--tokens`` tokens are
 decoded; plain decoding fills the context's slack, the evicting policies hold it at the budget.
@@ -55,9 +57,11 @@ VARIANTS = {
     "surprise": dict(policy="surprise", flash_attn=True, route="layer_out", verify=True),
     "said_prompt_surprise": dict(policy="said_prompt_surprise", flash_attn=True, route="layer_out", verify=True),
     "said_words": dict(policy="said_words", flash_attn=True, route="layer_out", verify=True),
+    "said_words_deep": dict(policy="said_words_deep", flash_attn=True, route="layer_out", verify=True),
 }
 #: variants of one policy each, run when named (``--variants``), not by default
-EXTRA = ("facts", "said_prompt", "said_facts", "epikv_span", "surprise", "said_prompt_surprise", "said_words")
+EXTRA = ("facts", "said_prompt", "said_facts", "epikv_span", "surprise", "said_prompt_surprise", "said_words",
+         "said_words_deep")
 
 
 def main(argv=None) -> int:

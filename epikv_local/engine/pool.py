@@ -104,6 +104,7 @@ class _Request:
     logits_last: bool
     given: bool = False
     template: np.ndarray | None = None  # (len(tokens),) bool: written by a chat template (Observation.template)
+    prompt_left: int = 0  # tokens of the same prompt after these (Observation.prompt_left)
     done: int = 0
     finished: bool = False
     error: BaseException | None = None
@@ -281,11 +282,12 @@ class SequencePool(Closing):
             return int(used.sum())
 
     def decode(self, session, tokens: list[int], logits_all: bool = False, logits_last: bool = True,
-               given: bool = False, template=None) -> None:
+               given: bool = False, template=None, prompt_left: int = 0) -> None:
         """Decode ``tokens`` at ``session``'s next positions, in rounds shared with the other sequences; returns
-        when all are decoded (the session's state then reflects them) or raises the error of its part."""
+        when all are decoded (the session's state then reflects them) or raises the error of its part.
+        prompt_left: tokens of the same prompt that the session decodes after these."""
         req = _Request(session, [int(t) for t in tokens], logits_all, logits_last, given,
-                       None if template is None else np.asarray(template, dtype=bool))
+                       None if template is None else np.asarray(template, dtype=bool), prompt_left)
         with self._cond:
             self._pending.append(req)
             self._cond.notify_all()
@@ -404,7 +406,8 @@ class SequencePool(Closing):
             try:
                 req.session._after_decode(p, req.tokens[req.done:req.done + n], slice(start, start + n), len(tokens),
                                           rows, self.round, dt, req.given,
-                                          None if req.template is None else req.template[req.done:req.done + n])
+                                          None if req.template is None else req.template[req.done:req.done + n],
+                                          req.prompt_left + len(req.tokens) - req.done - n)
                 req.done += n
                 req.finished = req.done == len(req.tokens)
             except BaseException as e:  # noqa: BLE001 - its policy's error is its own

@@ -436,26 +436,28 @@ class Session(Closing):
         for i in range(0, len(tokens), chunk):
             part = tokens[i:i + chunk]
             self.decode_chunk(part, logits_all=(logits == "all"), logits_last=(i + chunk >= len(tokens)),
-                              given=is_prompt, template=None if template is None else template[i:i + chunk])
+                              given=is_prompt, template=None if template is None else template[i:i + chunk],
+                              prompt_left=len(tokens) - i - len(part) if is_prompt else 0)
         if is_prompt:
             self._prompt_end = (self.n_past, self.logits(-1).copy())
 
     def decode_chunk(self, part: list[int], logits_all: bool = False, logits_last: bool = True,
-                     given: bool = False, template: Sequence[bool] | None = None) -> None:
+                     given: bool = False, template: Sequence[bool] | None = None, prompt_left: int = 0) -> None:
         """Evict if needed, decode ``part`` (<= n_batch tokens) at the next positions, score the new tokens. In a
         shared pool the decode may carry other sequences' tokens too (``SequencePool.decode``). given: the
         tokens are text the caller gave (a prompt), not the model's own (``Observation.given``); template: per
-        token, whether a chat template wrote it (``Observation.template``)."""
+        token, whether a chat template wrote it (``Observation.template``); prompt_left: tokens of the same prompt
+        decoded after ``part`` (``Observation.prompt_left``)."""
         if self._generating:
             self._check_cancelled()
         if not 1 <= len(part) <= self.cfg.n_batch:
             raise ConfigError(f"decode takes 1..{self.cfg.n_batch} tokens, got {len(part)}")
         with self._use():
-            self.pool.decode(self, part, logits_all, logits_last, given, template)
+            self.pool.decode(self, part, logits_all, logits_last, given, template, prompt_left)
 
     def _after_decode(self, pos: np.ndarray, part: list[int], rows: slice, n_total: int, out_rows: list[int],
                       round_: int, seconds: float, given: bool = False,
-                      template: np.ndarray | None = None) -> None:
+                      template: np.ndarray | None = None, prompt_left: int = 0) -> None:
         """The pool decoded ``part`` at ``pos`` as rows ``rows`` of a decode of ``n_total`` tokens (number
         ``round_``, taking ``seconds``): book the cells, route the captured rows to the policy. out_rows: the
         output rows the caller asked for (readable through :meth:`logits`); when the policy reads surprisal
@@ -468,6 +470,7 @@ class Session(Closing):
         obs = self.capture.observe(pos, rows, n_total)
         obs.given = np.full(len(part), given)
         obs.template = template
+        obs.prompt_left = prompt_left
         if self.pool.digits is not None:
             obs.numeric = self.pool.digits[np.asarray(part, dtype=np.int64)]
         if self.pool.signals.surprise:

@@ -97,6 +97,11 @@ _SPECS = [
                                                       "given_order": "oldest_or_surprise", "template_last": True},
                "as said_words, a caller's word kept while it is among the oldest or the most surprising (a "
                "question whole from its start, a fact deep in a long prompt), the chat template's text below"),
+    PolicySpec("said_words_deep", SaidEpikvPolicy, {"prompt": True, "share": 0.5, "template_last": True,
+                                                    "surprise_beyond": 2.0},
+               "as said_words while the caller's words fit in two tiers (a question kept whole from its start); "
+               "beyond that the overflow's worth of the tier goes to the most surprising words (a fact deep in a "
+               "long text)"),
     PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
                "cache at most); EPIKV's score within each"),
     PolicySpec("surprise", SurprisePolicy, help="the spans the model did not expect: its own surprisal of each "

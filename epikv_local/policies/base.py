@@ -89,6 +89,8 @@ class Observation:
     surprise: (T,) float64 surprisal of each new token in nats, -log p(token | the cache before it) under the
         model's logits (NaN where those logits are unknown: a sequence's first token, the first token after a
         rewind that dropped tokens or after a restored session file); None unless the policy's signals ask for ``surprise``.
+    prompt_left: tokens of the same prompt still to be decoded after these (0: the prompt's last decode, or not a
+        prompt): a policy evicting while a long prompt streams in learns its length before it has seen it all.
     """
 
     positions: np.ndarray
@@ -102,6 +104,7 @@ class Observation:
     template: np.ndarray | None = None
     numeric: np.ndarray | None = None
     surprise: np.ndarray | None = None
+    prompt_left: int = 0
 
 
 @dataclass

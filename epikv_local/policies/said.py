@@ -49,6 +49,16 @@ beside the recent window, so ``said_prompt`` (oldest first) kept the boilerplate
 got 6 of the full cache's 21 right answers on the test prompts of 110 tokens or more, StreamingLLM 7. Registered
 as ``said_words`` (``said_prompt`` with it). Text not rendered from messages (a raw prompt) carries no marks,
 and then it is ``said_prompt``.
+``surprise_beyond=b`` (0: off) picks between the two orders by length. While the caller's words given so far (evicted
+ones included, the template's not) and the rest of the prompt being decoded (``Observation.prompt_left``: a
+long prompt's length is known from its first chunk, before "oldest first" has evicted a fact early in it) number
+at most b tiers, the tier keeps its order (oldest first). Beyond, the overflow's worth of the tier's slots (the
+whole tier at most) go to the most surprising caller's words, ranked among themselves by surprise. Why: the tier
+orders disagree by length. A GSM8K question (~130 words, a 96-cell tier at 192 cells) nearly fits, and oldest
+first keeps it whole from its start, where a surprise order drops words inside it (``said_words_surprise``: 13 of
+60 dev problems, ``said_words`` 17). A 1,000-token text with a fact inside cannot be kept from its start, and
+surprise finds the fact (passkey dev: ``said_words_surprise`` 9 of 10, ``said_words`` 2). Registered as
+``said_words_deep`` (b = 2, in the wide gap between the two dev sets' ratios, ~1.4 and ~8).
 Signals read: the base's (none for streaming; every token's logits for surprise), so flash attention stays on. Designed on the recall benchmark's dev conversations (seeds below
 1000) only; ``said_facts`` on the first 60 GSM8K dev problems.
 """
@@ -61,8 +71,8 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import ConfigError
-from .base import (ModelShape, Observation, Policy, PositionScores, Signals, check_bool, check_float, lift_tier,
-                   rank01)
+from .base import (ModelShape, Observation, Policy, PositionScores, Signals, check_bool, check_float, check_int,
+                   lift_tier, rank01)
 from .epikv import EpikvPolicy
 from .facts import FactsPolicy
 from .keydiff import KeyDiffPolicy
@@ -82,6 +92,7 @@ class SaidPolicy(Policy):
     given_order: str = "oldest"
     prompt: bool = False
     template_last: bool = False
+    surprise_beyond: float = 0.0
     layers: tuple[int, ...] | None = None
     window: int = 128
 
@@ -93,16 +104,19 @@ class SaidPolicy(Policy):
             raise ConfigError(f"said: given_order must be one of {', '.join(ORDERS)}, got {self.given_order!r}")
         check_bool("said", "prompt", self.prompt)
         check_bool("said", "template_last", self.template_last)
+        if self.surprise_beyond != 0.0:  # 0: off
+            check_float("said", "surprise_beyond", self.surprise_beyond, 1.0, 1e6, what="0 (off) or a number")
         self._base: Policy = {"streaming": lambda: StreamingLLM(),
                               "epikv": lambda: EpikvPolicy(layers=self.layers, window=self.window),
                               "keydiff": lambda: KeyDiffPolicy(),
                               "facts": lambda: FactsPolicy(layers=self.layers, window=self.window),
                               "surprise": lambda: SurprisePolicy()}[self.base]()
         # the given tier's own order: the model's surprisal while the base orders the model's own tokens
-        self._order: Policy | None = (SurprisePolicy() if self.given_order in ("surprise", "oldest_or_surprise")
-                                      and self.base != "surprise" else None)
+        wants_surprise = self.given_order in ("surprise", "oldest_or_surprise") or self.surprise_beyond > 0
+        self._order: Policy | None = SurprisePolicy() if wants_surprise and self.base != "surprise" else None
         self._given = PositionScores()  # 1.0: given in a later turn, 0.0: otherwise, NaN: never decoded
         self._answered = False  # the model has produced a token: what is given from now on is a later turn
+        self._coming = 0  # tier words of the prompt being decoded that are still to come (Observation.prompt_left)
         if self.template_last:  # 1.0: a chat template wrote it (Observation.template), 0.0: otherwise
             self._template = PositionScores()
         super().__post_init__()
@@ -121,6 +135,7 @@ class SaidPolicy(Policy):
         if self.template_last:
             self._template.reset()
         self._answered = False
+        self._coming = 0
 
     def observe(self, obs: Observation) -> None:
         self._base.observe(obs)
@@ -129,7 +144,9 @@ class SaidPolicy(Policy):
         given = np.zeros(len(obs.positions), dtype=bool) if obs.given is None else np.asarray(obs.given, dtype=bool)
         # the prompt that starts a sequence stays the base's unless ``prompt``: protected by the budget, or counted
         # against it (the papers' setting), where the tier would overrule the base on every token
-        self._given.set(obs.positions, (given & (self._answered or self.prompt)).astype(np.float64))
+        in_tier = given & (self._answered or self.prompt)
+        self._given.set(obs.positions, in_tier.astype(np.float64))
+        self._coming = int(obs.prompt_left) if in_tier.any() else 0
         self._answered = self._answered or not given.all()
         if self.template_last:
             marks = np.zeros(len(obs.positions)) if obs.template is None else np.asarray(obs.template, dtype=np.float64)
@@ -148,10 +165,36 @@ class SaidPolicy(Policy):
             if self.given_order == "oldest_or_surprise":  # kept while among the oldest or the most surprising:
                 # a question that nearly fits stays whole from its start, a fact deep in a long text by surprise
                 within = rank01(np.maximum(rank01(older), rank01(within)))  # both ranks over the given words
+        template = (self._template.get(positions[given]) == 1.0 if self.template_last
+                    else np.zeros(len(given), dtype=bool))
+        slots = self._surprise_slots(len(positions)) if self.surprise_beyond else 0
+        if slots > 0:  # the caller's words far overflow the tier: a text that long cannot be kept whole from its
+            # start, so the overflow's worth of slots (up to the whole tier) go to its most surprising words (a fact
+            # deep inside it); a question that nearly fits stays oldest first, whole from its start
+            surprise = self._order.score(positions[given]) if self._order is not None else self._base.score(
+                positions[given])
+            surprise = np.where(template | np.isnan(surprise), -np.inf, surprise)  # never a template token
+            top = np.argsort(-surprise, kind="stable")[:int(slots)]
+            top = top[np.isfinite(surprise[top])]
+            within = rank01(within)
+            within[top] = 2.0 + rank01(surprise[top])  # among themselves by surprise too: when eviction must cut
+            # into the tier (its slots in the protected recent window), the fact outlasts older, duller words
         if self.template_last:  # the template's own text (role markers, a default system prompt) below the
             # caller's words, each group in its own order
-            within = rank01(within - 2.0 * (self._template.get(positions[given]) == 1.0))
+            within = rank01(within - 4.0 * template)
         return lift_tier(rank, given, within, self.share)  # the share's worth ranked highest within the given
+
+    def _surprise_slots(self, n: int) -> int:
+        """How many of the tier's ``round(share * n)`` slots go to the most surprising caller's words: the words
+        given so far (evicted ones included; the template's not) and the rest of the prompt being decoded (known
+        from its first chunk: a fact early in a long text must not be evicted as "oldest first" before the text's
+        length is seen), beyond ``surprise_beyond`` tiers; the whole tier at most."""
+        tier = round(self.share * n)
+        words = self._given.values == 1.0
+        if self.template_last:  # the two arrays grow apart when scored at different positions
+            m = min(len(words), len(self._template.values))
+            words[:m] &= self._template.values[:m] != 1.0
+        return int(min(np.count_nonzero(words) + self._coming - self.surprise_beyond * tier, tier))
 
 
 @dataclass

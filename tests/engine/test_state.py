@@ -390,6 +390,7 @@ def test_save_refuses_state_that_is_not_data(model, tmp_path):
     ("said_epikv", {}, True),                               # a base policy and the given/generated marks
     ("facts", {}, True),                                    # a base policy and the engine's digit marks
     ("said_words", {}, True),                               # the given marks and the template's
+    ("said_words_deep", {}, True),                          # and the surprise order and the prompt still to come
 ])
 def test_every_kind_of_policy_state_round_trips(model, tmp_path, name, options, flash):
     mk = lambda: Session(model, make_policy(name, **options), BudgetConfig(kv_budget=40, n_recent=8),

@@ -82,13 +82,15 @@ def test_registry_and_families():
     assert set(ALL) == {"none", "streaming", "random", "knorm", "keydiff", "lagkv", "epikv", "epikv_lag",
                         "epikv_raw", "epikv_single", "epikv_span", "h2o", "tova", "snapkv", "epikv_mix", "triattention",
                         "rkv_redundancy", "rkv", "said", "said_epikv", "said_prompt", "said_facts", "said_surprise", "facts",
-                        "surprise", "said_prompt_surprise", "said_words", "said_words_surprise", "said_words_either"}
+                        "surprise", "said_prompt_surprise", "said_words", "said_words_surprise", "said_words_either",
+                        "said_words_deep"}
     # traits are class attributes, read from the registry's classes
     assert {n for n in ALL if REGISTRY[n].cls.needs_attention} == {"h2o", "tova", "snapkv", "rkv"}
     assert {n for n in ALL if REGISTRY[n].cls.calibratable} == {"epikv", "epikv_lag", "epikv_raw", "epikv_single", "epikv_span",
                                                                 "epikv_mix", "triattention", "said_epikv",
                                                                 "said_prompt", "said_facts", "said_prompt_surprise",
-                                                                "said_words", "said_words_surprise", "said_words_either"}
+                                                                "said_words", "said_words_surprise", "said_words_either",
+                                                                "said_words_deep"}
     assert [n for n in ALL if not REGISTRY[n].cls.evicts] == ["none"]
     # variants are named configurations of one class, not copies
     assert make_policy("epikv_lag").normalization == "lag"

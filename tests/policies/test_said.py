@@ -294,3 +294,99 @@ def test_oldest_or_surprise_keeps_the_oldest_words_and_the_most_surprising_ones(
     assert not set(range(60, 64)) & set(np.flatnonzero(oldest.score(np.arange(100)) >= 2.0).tolist())
     with pytest.raises(Exception, match="given_order"):
         make_policy("said", given_order="newest")
+
+
+def test_surprise_beyond_gives_slots_to_surprising_words_only_when_the_callers_words_far_overflow_the_tier():
+    """``surprise_beyond=b``: while the caller's words given so far (evicted ones included, the template's not)
+    number at most b tiers, the tier keeps the oldest words, a question that nearly fits whole from its start;
+    beyond that, the overflow's worth of slots (the whole tier at most) go to the most surprising words, so a
+    fact deep in a long text is kept; a template token never gets a slot."""
+    nll = np.random.default_rng(5).uniform(0.1, 1.0, 100)  # nats, no ties
+    nll[60:64] = 12.0 + np.arange(4)  # a fact deep in the caller's words
+    nll[0:3] = 15.0  # a role marker: as surprising as the fact
+    template = np.zeros(80, dtype=bool)
+    template[0:3] = True
+
+    def tier(scored=np.arange(100), **kw):
+        p = make_policy("said", prompt=True, share=0.5, template_last=True, **kw)
+        assert p.bind(SHAPE).surprise == bool(kw)  # the logits are asked for only when the slots read them
+        p.observe(Observation(positions=np.arange(80), given=np.ones(80, dtype=bool), template=template,
+                              surprise=nll[:80]))
+        p.observe(Observation(positions=np.arange(80, 100), given=np.zeros(20, dtype=bool), surprise=nll[80:]))
+        return set(scored[p.score(scored) >= 2.0].tolist())
+
+    plain = tier()
+    assert len(plain) == 50 and plain == set(range(3, 53))  # share 0.5 of 100 cells: the oldest caller's words
+    assert tier(surprise_beyond=2.0) == plain  # 77 words, not beyond 2 tiers of 50: oldest first
+    slots = tier(surprise_beyond=1.0)  # 27 words beyond one tier: 27 slots by surprise, 23 oldest
+    assert len(slots) == 50 and set(range(60, 64)) <= slots and not slots & set(range(3))
+    assert set(range(3, 26)) <= slots and not slots & set(range(45, 53)) - set(np.argsort(-nll[3:80])[:27] + 3)
+    # 20 older cells evicted: 80 scored, a tier of 40; the 77 words given so far (not the 60 live) are 17 beyond
+    # 1.5 tiers, and the fact, outside the oldest 40 live words, gets slots
+    assert not set(range(60, 64)) & tier(np.arange(20, 100))
+    assert set(range(60, 64)) <= tier(np.arange(20, 100), surprise_beyond=1.5)
+    # a prompt's first chunk says how much of it is still to come: 37 words + 1,000 to come are beyond 2 tiers of 20,
+    # so the fact gets its slots at once, before "oldest first" (3..22) would have evicted it
+    def first_chunk(left):
+        p = make_policy("said", prompt=True, share=0.5, template_last=True, surprise_beyond=2.0)
+        p.bind(SHAPE)
+        p.observe(Observation(positions=np.arange(40), given=np.ones(40, dtype=bool), template=template[:40],
+                              surprise=np.r_[nll[:30], nll[60:64], nll[30:36]], prompt_left=left))
+        return set(np.flatnonzero(p.score(np.arange(40)) >= 2.0).tolist())
+
+    assert set(range(30, 34)) <= first_chunk(1000)
+    assert first_chunk(0) == set(range(3, 23))  # a short prompt: oldest first
+    # the slots rank among themselves by surprise, not age: when eviction must cut into the tier (its slots in the
+    # protected recent window), the most surprising words outlast older, duller ones
+    rising = make_policy("said", prompt=True, share=0.5, surprise_beyond=1.0)
+    rising.bind(SHAPE)
+    rising.observe(Observation(positions=np.arange(80), given=np.ones(80, dtype=bool),
+                               surprise=np.linspace(0.1, 8.0, 80)))  # newer words more surprising
+    rising.observe(Observation(positions=np.arange(80, 100), given=np.zeros(20, dtype=bool), surprise=np.ones(20)))
+    s = rising.score(np.arange(100))
+    slots = np.flatnonzero(s >= 2.0)[-30:]  # 80 words, 30 beyond a tier of 50: the 30 newest, most surprising
+    assert np.array_equal(slots, np.arange(50, 80)) and np.all(np.diff(s[50:64]) > 0)  # (windows inside the words)
+    reg = make_policy("said_words_deep")
+    assert (reg.prompt, reg.share, reg.base, reg.given_order, reg.template_last, reg.surprise_beyond) == \
+        (True, 0.5, "epikv", "oldest", True, 2.0)
+    from epikv_local.errors import ConfigError
+
+    for bad in (-1.0, 0.5, True, "2", float("nan")):
+        with pytest.raises(ConfigError, match="surprise_beyond"):
+            make_policy("said", surprise_beyond=bad)
+
+
+def test_a_session_tells_the_policy_how_much_of_a_prompt_is_still_to_come(model):
+    """``Observation.prompt_left``: a prompt counted against a small budget is decoded in several chunks, and each
+    chunk's observation says how many of the prompt's tokens follow it, so ``surprise_beyond`` knows a long
+    text's length from its first chunk; a later turn's prompt counts down the same way and a generated token
+    says 0."""
+    from epikv_local.policies.streaming import StreamingLLM
+
+    seen = []
+
+    class Recorder(StreamingLLM):
+        def observe(self, obs):
+            seen.append((int(obs.positions[0]), len(obs.positions), obs.prompt_left, bool(obs.given.all())))
+            super().observe(obs)
+
+    prompt = model.tokenize("Reasoning notes. " * 40)
+    turn = model.tokenize(" And one more thing to remember: the code is 4412." * 6, add_special=False)
+    budget = BudgetConfig(kv_budget=64, n_recent=16, protect_prompt=False, evict_chunk=8)
+    with Session(model, Recorder(), budget, SessionConfig(n_threads=2)) as s:
+        generate(s, prompt, 3, SamplingConfig(), ignore_eog=True)
+        generate(s, s.tokens + turn, 2, SamplingConfig(), ignore_eog=True, reuse_prefix=True)
+    runs, run = [], []  # the given decodes, in runs between the model's own tokens
+    for c in seen + [(0, 0, 0, False)]:
+        if c[3]:
+            run.append(c)
+        elif run:
+            runs, run = runs + [run], []
+    assert len(runs) == 2
+    for chunks, text in zip(runs, (prompt, turn)):
+        assert len(chunks) > 1  # the budget splits the prompt
+        end = chunks[-1][0] + chunks[-1][1]
+        assert end - chunks[0][0] == len(text)
+        for first, n, left, _ in chunks:
+            assert left == end - (first + n)  # the tokens after this chunk
+    assert all(left == 0 for _, _, left, given in seen if not given)  # the model's own tokens
