@@ -52,13 +52,16 @@ and then it is ``said_prompt``.
 ``surprise_beyond=b`` (0: off) picks between the two orders by length. While the caller's words given so far (evicted
 ones included, the template's not) and the rest of the prompt being decoded (``Observation.prompt_left``: a
 long prompt's length is known from its first chunk, before "oldest first" has evicted a fact early in it) number
-at most b tiers, the tier keeps its order (oldest first). Beyond, the overflow's worth of the tier's slots (the
+at most b tiers, the tier keeps its ``given_order`` (``said_words_deep``: oldest first). Beyond, the overflow's worth of the tier's slots (the
 whole tier at most) go to the most surprising caller's words, ranked among themselves by surprise. Why: the tier
 orders disagree by length. A GSM8K question (~130 words, a 96-cell tier at 192 cells) nearly fits, and oldest
 first keeps it whole from its start, where a surprise order drops words inside it (``said_words_surprise``: 13 of
 60 dev problems, ``said_words`` 17). A 1,000-token text with a fact inside cannot be kept from its start, and
 surprise finds the fact (passkey dev: ``said_words_surprise`` 9 of 10, ``said_words`` 2). Registered as
-``said_words_deep`` (b = 2, in the wide gap between the two dev sets' ratios, ~1.4 and ~8).
+``said_words_deep`` (b = 2, in the wide gap between the two dev sets' ratios, ~1.4 and ~8). The words of every
+earlier turn count: a long chat moves even a short new question's tier towards surprise. A rewind forgets the
+words of the branch it drops. A template token never takes a slot, but its surprise, spread by the window mean,
+can lift the caller's words beside it (the ends of a message).
 Signals read: the base's (none for streaming; every token's logits for surprise), so flash attention stays on. Designed on the recall benchmark's dev conversations (seeds below
 1000) only; ``said_facts`` on the first 60 GSM8K dev problems.
 """
@@ -71,8 +74,8 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import ConfigError
-from .base import (ModelShape, Observation, Policy, PositionScores, Signals, check_bool, check_float, check_int,
-                   lift_tier, rank01)
+from .base import (ModelShape, Observation, Policy, PositionScores, Signals, check_bool, check_float, lift_tier,
+                   rank01)
 from .epikv import EpikvPolicy
 from .facts import FactsPolicy
 from .keydiff import KeyDiffPolicy
@@ -116,7 +119,10 @@ class SaidPolicy(Policy):
         self._order: Policy | None = SurprisePolicy() if wants_surprise and self.base != "surprise" else None
         self._given = PositionScores()  # 1.0: given in a later turn, 0.0: otherwise, NaN: never decoded
         self._answered = False  # the model has produced a token: what is given from now on is a later turn
-        self._coming = 0  # tier words of the prompt being decoded that are still to come (Observation.prompt_left)
+        self._coming = 0  # tokens of the tier's prompt being decoded still to come (Observation.prompt_left; its
+        # template's tokens included: the count errs towards "long")
+        self._words = 0  # the caller's words given so far at positions below _end (evicted ones included)
+        self._end = 0  # one past the newest position observed
         if self.template_last:  # 1.0: a chat template wrote it (Observation.template), 0.0: otherwise
             self._template = PositionScores()
         super().__post_init__()
@@ -135,7 +141,7 @@ class SaidPolicy(Policy):
         if self.template_last:
             self._template.reset()
         self._answered = False
-        self._coming = 0
+        self._coming = self._words = self._end = 0
 
     def observe(self, obs: Observation) -> None:
         self._base.observe(obs)
@@ -145,12 +151,19 @@ class SaidPolicy(Policy):
         # the prompt that starts a sequence stays the base's unless ``prompt``: protected by the budget, or counted
         # against it (the papers' setting), where the tier would overrule the base on every token
         in_tier = given & (self._answered or self.prompt)
+        lo = int(obs.positions.min())
+        if lo < self._end:  # a rewind: what lay at or after lo is gone (a branch's words no longer count)
+            self._words = self._count_words(lo)
         self._given.set(obs.positions, in_tier.astype(np.float64))
         self._coming = int(obs.prompt_left) if in_tier.any() else 0
         self._answered = self._answered or not given.all()
+        words = in_tier
         if self.template_last:
             marks = np.zeros(len(obs.positions)) if obs.template is None else np.asarray(obs.template, dtype=np.float64)
             self._template.set(obs.positions, marks)
+            words = in_tier & (marks != 1.0)
+        self._words += int(np.count_nonzero(words))
+        self._end = int(obs.positions.max()) + 1
 
     def score(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
@@ -182,6 +195,8 @@ class SaidPolicy(Policy):
         if self.template_last:  # the template's own text (role markers, a default system prompt) below the
             # caller's words, each group in its own order
             within = rank01(within - 4.0 * template)
+        elif slots > 0:
+            within = rank01(within)  # lift_tier takes ranks in [0, 1]
         return lift_tier(rank, given, within, self.share)  # the share's worth ranked highest within the given
 
     def _surprise_slots(self, n: int) -> int:
@@ -190,11 +205,15 @@ class SaidPolicy(Policy):
         from its first chunk: a fact early in a long text must not be evicted as "oldest first" before the text's
         length is seen), beyond ``surprise_beyond`` tiers; the whole tier at most."""
         tier = round(self.share * n)
-        words = self._given.values == 1.0
+        return int(min(self._words + self._coming - self.surprise_beyond * tier, tier))
+
+    def _count_words(self, end: int) -> int:
+        """The caller's words (tier marks, not the template's) at positions below ``end``."""
+        words = self._given.values[:end] == 1.0
         if self.template_last:  # the two arrays grow apart when scored at different positions
             m = min(len(words), len(self._template.values))
             words[:m] &= self._template.values[:m] != 1.0
-        return int(min(np.count_nonzero(words) + self._coming - self.surprise_beyond * tier, tier))
+        return int(np.count_nonzero(words))
 
 
 @dataclass

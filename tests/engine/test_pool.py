@@ -237,3 +237,46 @@ def test_a_generation_that_stops_releases_a_leader_gathering_for_it(model, how):
         assert done.is_set() and a.n_past == len(toks)
         a.close()
         b.close()
+
+
+def test_a_prompt_split_across_shared_rounds_still_counts_down_what_is_left(model):
+    """``Observation.prompt_left`` when the pool splits a prompt's chunk: a sequence generating one token per
+    round takes a row first, so the other's 64-token prompt chunks are decoded 63 + 1 and so on; every part still
+    says how many of the prompt's tokens follow it."""
+    from epikv_local.policies.streaming import StreamingLLM
+
+    seen = []
+
+    class Recorder(StreamingLLM):
+        def observe(self, obs):
+            seen.append((id(self), int(obs.positions[0]), len(obs.positions), obs.prompt_left, bool(obs.given.all())))
+            super().observe(obs)
+
+    pool = SequencePool(model, Recorder(), BudgetConfig(kv_budget=1024), CFG, n_seq=2)
+    a, b = pool.open(), pool.open()
+    long_prompt = model.tokenize("Reasoning notes, step by step. " * 40)
+    started = threading.Event()
+
+    def talk():
+        with a.generation(), a.sampling(SamplingConfig(temperature=0)) as smp:
+            a.feed(model.tokenize("Count to fifty:"), is_prompt=True)
+            for i in range(120):
+                if i == 2:
+                    started.set()
+                a.decode_chunk([a.sample(smp)])
+
+    t = threading.Thread(target=talk)
+    t.start()
+    try:
+        assert started.wait(timeout=300)
+        b.feed(long_prompt, is_prompt=True)
+    finally:
+        t.join(timeout=300)
+        a.close()
+        b.close()
+        pool.close()
+    mine = [c for c in seen if c[0] == id(b.policy)]
+    assert sum(n for _, _, n, _, _ in mine) == len(long_prompt)
+    assert any(n not in (CFG.n_batch, len(long_prompt) % CFG.n_batch) for _, _, n, _, _ in mine)  # split parts
+    for _, first, n, left, given in mine:
+        assert given and left == len(long_prompt) - (first + n)

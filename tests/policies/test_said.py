@@ -346,6 +346,14 @@ def test_surprise_beyond_gives_slots_to_surprising_words_only_when_the_callers_w
     s = rising.score(np.arange(100))
     slots = np.flatnonzero(s >= 2.0)[-30:]  # 80 words, 30 beyond a tier of 50: the 30 newest, most surprising
     assert np.array_equal(slots, np.arange(50, 80)) and np.all(np.diff(s[50:64]) > 0)  # (windows inside the words)
+    # a rewind forgets the dropped branch's words: a long text, then a short question from position 10 on
+    branch = make_policy("said", prompt=True, share=0.5, surprise_beyond=2.0)
+    branch.bind(SHAPE)
+    branch.observe(Observation(positions=np.arange(200), given=np.ones(200, dtype=bool),
+                               surprise=np.linspace(0.1, 8.0, 200)))
+    branch.observe(Observation(positions=np.arange(10, 30), given=np.ones(20, dtype=bool),
+                               surprise=np.linspace(0.1, 8.0, 20)))
+    assert set(np.flatnonzero(branch.score(np.arange(30)) >= 2.0).tolist()) == set(range(15))  # 30 words: oldest
     reg = make_policy("said_words_deep")
     assert (reg.prompt, reg.share, reg.base, reg.given_order, reg.template_last, reg.surprise_beyond) == \
         (True, 0.5, "epikv", "oldest", True, 2.0)
