@@ -151,18 +151,23 @@ class SaidPolicy(Policy):
         # the prompt that starts a sequence stays the base's unless ``prompt``: protected by the budget, or counted
         # against it (the papers' setting), where the tier would overrule the base on every token
         in_tier = given & (self._answered or self.prompt)
-        lo = int(obs.positions.min())
-        if lo < self._end:  # a rewind: what lay at or after lo is gone (a branch's words no longer count)
-            self._words = self._count_words(lo)
+        if self.surprise_beyond:  # only the slots read the count: no work per token for the other said policies
+            self._count(obs, in_tier)
         self._given.set(obs.positions, in_tier.astype(np.float64))
-        self._coming = int(obs.prompt_left) if in_tier.any() else 0
         self._answered = self._answered or not given.all()
-        words = in_tier
         if self.template_last:
             marks = np.zeros(len(obs.positions)) if obs.template is None else np.asarray(obs.template, dtype=np.float64)
             self._template.set(obs.positions, marks)
-            words = in_tier & (marks != 1.0)
+
+    def _count(self, obs: Observation, in_tier: np.ndarray) -> None:
+        """Book ``obs``'s caller's words (tier marks, not the template's) and the prompt still to come."""
+        lo = int(obs.positions.min())
+        if lo < self._end:  # a rewind: what lay at or after lo is gone (a branch's words no longer count)
+            self._words = self._count_words(lo)
+        words = in_tier if obs.template is None or not self.template_last else in_tier & ~np.asarray(obs.template,
+                                                                                                    dtype=bool)
         self._words += int(np.count_nonzero(words))
+        self._coming = int(obs.prompt_left) if in_tier.any() else 0
         self._end = int(obs.positions.max()) + 1
 
     def score(self, positions: np.ndarray) -> np.ndarray:
