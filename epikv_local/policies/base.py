@@ -55,7 +55,7 @@ class Signals:
     surprise: whether the engine computes each token's surprisal under the model (``Observation.surprise``):
         it then asks llama.cpp for the logits of every decoded token, not only the last (prefill costs the
         output layer once per prompt token; a generated token's surprisal comes from the logits it was
-        sampled from).
+        sampled from), for the decodes :meth:`Policy.wants_surprise` says need it.
     """
 
     g_layers: tuple[int, ...] = ()
@@ -154,6 +154,14 @@ class Policy:
     def score(self, positions: np.ndarray) -> np.ndarray:
         """Scores (N,) float64 of the live ``positions`` (N,) int64; higher = keep."""
         raise NotImplementedError
+
+    def wants_surprise(self, given: int, min_cells: int) -> bool:
+        """Asked before each decode when the bound signals read ``surprise``: whether the next decode's tokens need
+        their surprisal (False: ``Observation.surprise`` is None and llama.cpp computes no extra logits rows).
+        given: the caller's tokens in that decode and the rest of its prompt (0 for a sampled token); min_cells:
+        the fewest live cells an eviction round of this sequence scores (its budget less one prompt chunk).
+        Default: always, as the signals said."""
+        return True
 
 
 class PositionScores:

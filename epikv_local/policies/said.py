@@ -151,21 +151,20 @@ class SaidPolicy(Policy):
         # the prompt that starts a sequence stays the base's unless ``prompt``: protected by the budget, or counted
         # against it (the papers' setting), where the tier would overrule the base on every token
         in_tier = given & (self._answered or self.prompt)
+        template = None if obs.template is None or not self.template_last else np.asarray(obs.template, dtype=bool)
         if self.surprise_beyond:  # only the slots read the count: no work per token for the other said policies
-            self._count(obs, in_tier)
+            self._count(obs, in_tier, template)
         self._given.set(obs.positions, in_tier.astype(np.float64))
         self._answered = self._answered or not given.all()
         if self.template_last:
-            marks = np.zeros(len(obs.positions)) if obs.template is None else np.asarray(obs.template, dtype=np.float64)
-            self._template.set(obs.positions, marks)
+            self._template.set(obs.positions, np.zeros(len(obs.positions)) if template is None else template)
 
-    def _count(self, obs: Observation, in_tier: np.ndarray) -> None:
+    def _count(self, obs: Observation, in_tier: np.ndarray, template: np.ndarray | None) -> None:
         """Book ``obs``'s caller's words (tier marks, not the template's) and the prompt still to come."""
         lo = int(obs.positions.min())
         if lo < self._end:  # a rewind: what lay at or after lo is gone (a branch's words no longer count)
             self._words = self._count_words(lo)
-        words = in_tier if obs.template is None or not self.template_last else in_tier & ~np.asarray(obs.template,
-                                                                                                    dtype=bool)
+        words = in_tier if template is None else in_tier & ~template
         self._words += int(np.count_nonzero(words))
         self._coming = int(obs.prompt_left) if in_tier.any() else 0
         self._end = int(obs.positions.max()) + 1
@@ -203,6 +202,17 @@ class SaidPolicy(Policy):
         elif slots > 0:
             within = rank01(within)  # lift_tier takes ranks in [0, 1]
         return lift_tier(rank, given, within, self.share)  # the share's worth ranked highest within the given
+
+    def wants_surprise(self, given: int, min_cells: int) -> bool:
+        """With ``surprise_beyond`` as the only reader of surprisal (the given order and the base need none), only
+        once the slots could open: the caller's words so far plus those coming (their template's tokens counted
+        too: the count errs towards "long") beyond ``surprise_beyond`` tiers of the fewest cells a round scores.
+        Why: a prompt's surprisal costs the output layer once per token (prefill at 0.71x plain's speed on the
+        0.5B model), and a question that fits is kept oldest first, its surprisal never read. A long chat whose
+        words cross the line later has no surprisal for its earlier turns: those keep their oldest-first order."""
+        if self._order is None or self.given_order not in ("oldest", "base") or not self.surprise_beyond:
+            return True
+        return self._words + given > self.surprise_beyond * round(self.share * min_cells)
 
     def _surprise_slots(self, n: int) -> int:
         """How many of the tier's ``round(share * n)`` slots go to the most surprising caller's words: the words

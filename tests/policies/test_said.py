@@ -398,3 +398,60 @@ def test_a_session_tells_the_policy_how_much_of_a_prompt_is_still_to_come(model)
         for first, n, left, _ in chunks:
             assert left == end - (first + n)  # the tokens after this chunk
     assert all(left == 0 for _, _, left, given in seen if not given)  # the model's own tokens
+
+
+def test_surprise_beyond_asks_for_surprisal_only_once_the_slots_could_open():
+    """``wants_surprise``: ``surprise_beyond`` is the only reader of surprisal in ``said_words_deep``, so it asks
+    for the logits of a decode only when the words given so far plus those coming exceed two tiers of the fewest
+    cells a round scores; policies whose order or base reads surprisal always ask."""
+    p = make_policy("said", prompt=True, share=0.5, template_last=True, surprise_beyond=2.0)  # streaming base
+    p.bind(SHAPE)
+    assert p.bound.surprise
+    assert not p.wants_surprise(given=100, min_cells=100)  # 100 words: two tiers of 50 hold them
+    assert p.wants_surprise(given=101, min_cells=100)
+    assert not p.wants_surprise(given=0, min_cells=100)  # a sampled token after a short prompt
+    p.observe(Observation(positions=np.arange(120), given=np.ones(120, dtype=bool), surprise=np.ones(120)))
+    assert p.wants_surprise(given=0, min_cells=100)  # 120 words given: the model's own tokens too, from now on
+    for name in ("said_prompt_surprise", "said_surprise", "surprise"):
+        q = make_policy(name)
+        q.bind(SHAPE)
+        assert q.bound.surprise and q.wants_surprise(given=0, min_cells=10_000)
+
+
+@pytest.mark.parametrize("sentences", [1, 12])
+def test_said_words_deep_evicts_as_with_every_tokens_surprisal_while_computing_it_only_when_read(model, sentences):
+    """The same session of ``said_words_deep`` at 64 cells (chunks of 16, so an eviction round scores at least 49
+    cells: two tiers of 24), the prompt counted, and a copy of it that asks for every token's surprisal: the
+    same evictions and the same greedy tokens. A short prompt (about 20 tokens) decodes with no surprisal at all
+    (no extra logits rows); a long one (about 200) has it for every token from its first chunk on."""
+    from epikv_local.policies.said import SaidEpikvPolicy
+
+    class Always(SaidEpikvPolicy):
+        def wants_surprise(self, given, min_cells):
+            return True
+
+    def run(policy):
+        seen = []
+        observe = policy.observe
+
+        def recording(obs):
+            seen.append(obs.surprise)
+            observe(obs)
+
+        policy.observe = recording
+        budget = BudgetConfig(kv_budget=64, n_recent=16, evict_chunk=8, protect_prompt=False)
+        prompt = model.tokenize("Reasoning notes: the cat sat on the mat, 83921. " * sentences)
+        with Session(model, policy, budget, SessionConfig(n_threads=2, n_batch=16), record=True) as s:
+            generate(s, prompt, 80, SamplingConfig(), ignore_eog=True)
+            return len(prompt), list(s.tokens), [ev.evicted.tolist() for ev in s.events], seen
+
+    kw = dict(prompt=True, share=0.5, template_last=True, surprise_beyond=2.0)
+    n, tokens, events, seen = run(make_policy("said_words_deep"))
+    n_all, tokens_all, events_all, seen_all = run(Always(**kw))
+    assert n == n_all and tokens == tokens_all and events == events_all and len(events) > 3
+    assert all(s is not None for s in seen_all)
+    if n < 48:
+        assert all(s is None for s in seen)
+    else:
+        assert n > 150 and all(s is not None for s in seen)
+        assert np.array_equal(np.concatenate(seen), np.concatenate(seen_all), equal_nan=True)
