@@ -19,8 +19,10 @@ in one process, and the script reports the median of the per-round ratios to ``p
                        by surprise (``policies/said.py``; not run by default);
 * ``said_words``       ``said_prompt`` with the template's tokens last in the tier (the tier is re-ranked on every
                        eviction round whether or not the prompt carries a chat template's marks; not run by default);
-* ``said_words_deep``  ``said_words`` reading every token's logits for its surprise slots (the prompt pays the output
-                       layer per token, as ``surprise``; not run by default).
+* ``said_words_deep``  ``said_words`` reading every token's logits for its surprise slots once the caller's words
+                       could overflow two tiers (the output layer per prompt token, as ``surprise``); this
+                       script's prompt (kv_budget - n_batch tokens) fits, so it measures the case with none
+                       (not run by default).
 
 Steady state at equal occupancy: the prompt fills kv_budget - n_batch cells, then ``--tokens`` tokens are
 decoded; plain decoding fills the context's slack, the evicting policies hold it at the budget.
