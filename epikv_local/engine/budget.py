@@ -128,6 +128,12 @@ class EvictionEngine:
         self.recent_window = cfg.recent_window  # in effect: a protected prompt can shrink it (begin_prompt)
         self.stats = EngineStats()
 
+    @property
+    def fewest_scored(self) -> int:
+        """The fewest live cells an eviction round scores: ``make_room`` evicts only when the live cells plus a
+        decode of at most one ubatch exceed the budget (``Policy.wants_surprise``'s ``min_cells``)."""
+        return max(1, self.cfg.kv_budget - self.ctx.n_batch + 1)
+
     # -- bookkeeping --------------------------------------------------------------------------------------
     def live_positions(self) -> np.ndarray:
         return np.flatnonzero(self._alive[: self.newest + 1]).astype(np.int64)

@@ -364,28 +364,26 @@ class SequencePool(Closing):
         seqs: list[int] = []
         outs: list[bool] = []  # rows llama.cpp computes
         asked: list[bool] = []  # rows the callers asked for (the others only feed Observation.surprise)
-        surprise: list[bool] = []  # per part: every row has logits for Observation.surprise
         parts = []
         for req, n in work:
             s = req.session
             try:
                 s.engine.make_room(n)
-            except BaseException as e:  # noqa: BLE001 - this sequence's budget, not the round's
+                # a policy reading surprisal needs every token's logits (Observation.surprise, Session._surprisal),
+                # when it says these tokens need it (the output layer once per prompt token is prefill's main cost)
+                want = self.signals.surprise and s.policy.wants_surprise(
+                    req.prompt_left + req.left if req.given else 0, s.engine.fewest_scored)
+            except BaseException as e:  # noqa: BLE001 - this sequence's budget or policy, not the round's
                 req.error, req.finished = e, True
                 continue
             last = req.done + n == len(req.tokens)
             p = np.arange(s.n_past, s.n_past + n, dtype=np.int64)
-            parts.append((req, n, len(tokens), p))
+            parts.append((req, n, len(tokens), p, want))
             tokens += req.tokens[req.done:req.done + n]
             pos += p.tolist()
             seqs += [s.seq_id] * n
             asked += [req.logits_all or (req.logits_last and last and i == n - 1) for i in range(n)]
-            # a policy reading surprisal needs every token's logits (Observation.surprise, Session._surprisal),
-            # when it says these tokens need it (the output layer once per prompt token is prefill's main cost)
-            want = self.signals.surprise and s.policy.wants_surprise(
-                req.prompt_left + req.left if req.given else 0, max(1, s.engine.cfg.kv_budget - self.ctx.n_batch + 1))
             outs += [want or a for a in asked[-n:]]
-            surprise.append(want)
         if not parts:
             return
         members = {id(req.session) for req, *_ in parts}
@@ -406,7 +404,7 @@ class SequencePool(Closing):
         st.seconds += dt
         st.n_shared += len(parts) > 1
         st.max_sequences = max(st.max_sequences, len(parts))
-        for (req, n, start, p), want in zip(parts, surprise):
+        for req, n, start, p, want in parts:
             rows = [start + i for i in range(n) if asked[start + i]]  # batch indices (llama_get_logits_ith)
             try:
                 req.session._after_decode(p, req.tokens[req.done:req.done + n], slice(start, start + n), len(tokens),

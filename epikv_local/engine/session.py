@@ -457,12 +457,12 @@ class Session(Closing):
 
     def _after_decode(self, pos: np.ndarray, part: list[int], rows: slice, n_total: int, out_rows: list[int],
                       round_: int, seconds: float, given: bool = False,
-                      template: np.ndarray | None = None, prompt_left: int = 0, surprise: bool = True) -> None:
+                      template: np.ndarray | None = None, prompt_left: int = 0, surprise: bool = False) -> None:
         """The pool decoded ``part`` at ``pos`` as rows ``rows`` of a decode of ``n_total`` tokens (number
         ``round_``, taking ``seconds``): book the cells, route the captured rows to the policy. out_rows: the
-        output rows the caller asked for (readable through :meth:`logits`); when the policy reads surprisal
-        every row of ``rows`` has logits too (when ``surprise``: the policy wanted these tokens' surprisal), read here
-        before the next decode and not kept."""
+        output rows the caller asked for (readable through :meth:`logits`); with ``surprise`` (the policy reads
+        surprisal and wanted these tokens') every row of ``rows`` has logits too, read here before the next decode
+        and not kept."""
         self.decode_seconds += seconds
         self.engine.on_decoded(pos)
         self.n_past += len(part)
@@ -474,9 +474,9 @@ class Session(Closing):
         obs.prompt_left = prompt_left
         if self.pool.digits is not None:
             obs.numeric = self.pool.digits[np.asarray(part, dtype=np.int64)]
-        if self.pool.signals.surprise and surprise:
+        if surprise:
             obs.surprise = self._surprisal(part, range(rows.start, rows.stop))
-        elif self.pool.signals.surprise:  # not wanted: unknown (NaN to the policy), and so is the next token's
+        else:  # not read (or not wanted: unknown, NaN to the policy), and so is the next token's
             self._surprise_prev = None
         self.capture.check_flash_attn(self.cfg.flash_attn)
         self.policy.observe(obs)

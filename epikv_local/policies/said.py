@@ -212,15 +212,18 @@ class SaidPolicy(Policy):
         words cross the line later has no surprisal for its earlier turns: those keep their oldest-first order."""
         if self._order is None or self.given_order not in ("oldest", "base") or not self.surprise_beyond:
             return True
-        return self._words + given > self.surprise_beyond * round(self.share * min_cells)
+        return self._beyond(self._words + given, min_cells) > 0
 
     def _surprise_slots(self, n: int) -> int:
         """How many of the tier's ``round(share * n)`` slots go to the most surprising caller's words: the words
         given so far (evicted ones included; the template's not) and the rest of the prompt being decoded (known
         from its first chunk: a fact early in a long text must not be evicted as "oldest first" before the text's
         length is seen), beyond ``surprise_beyond`` tiers; the whole tier at most."""
-        tier = round(self.share * n)
-        return int(min(self._words + self._coming - self.surprise_beyond * tier, tier))
+        return int(min(self._beyond(self._words + self._coming, n), round(self.share * n)))
+
+    def _beyond(self, words: int, n: int) -> float:
+        """How far ``words`` exceed ``surprise_beyond`` tiers of ``round(share * n)`` cells (n: the cells scored)."""
+        return words - self.surprise_beyond * round(self.share * n)
 
     def _count_words(self, end: int) -> int:
         """The caller's words (tier marks, not the template's) at positions below ``end``."""

@@ -280,3 +280,45 @@ def test_a_prompt_split_across_shared_rounds_still_counts_down_what_is_left(mode
     assert any(n not in (CFG.n_batch, len(long_prompt) % CFG.n_batch) for _, _, n, _, _ in mine)  # split parts
     for _, first, n, left, given in mine:
         assert given and left == len(long_prompt) - (first + n)
+
+
+def test_a_policy_that_raises_when_asked_for_surprisal_fails_its_own_call_not_the_round(model):
+    """``Policy.wants_surprise`` runs in the pool's round, like ``make_room``: an exception there is the calling
+    sequence's error, raised to its caller as itself, while the sequence generating beside it in the same rounds
+    goes on (an error of the round itself would fail every part of it)."""
+    from epikv_local.policies.surprise import SurprisePolicy
+
+    class Refusing(SurprisePolicy):
+        def wants_surprise(self, given, min_cells):
+            if given:  # a prompt's tokens
+                raise RuntimeError("refused")
+            return True
+
+    pool = SequencePool(model, Refusing(), BudgetConfig(kv_budget=256), CFG, n_seq=2)
+    a, b = pool.open(), pool.open()
+    a.feed(model.tokenize(TEXTS[0]))  # not a prompt: not refused
+    started, errors = threading.Event(), []
+
+    def talk():
+        try:
+            with a.generation(), a.sampling(SamplingConfig(temperature=0)) as smp:
+                for i in range(60):
+                    if i == 2:
+                        started.set()
+                    a.decode_chunk([a.sample(smp)])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            started.set()
+
+    t = threading.Thread(target=talk)
+    t.start()
+    try:
+        assert started.wait(timeout=300)
+        with pytest.raises(RuntimeError, match="refused"):
+            b.feed(model.tokenize(TEXTS[1]), is_prompt=True)
+    finally:
+        t.join(timeout=300)
+        a.close()
+        b.close()
+        pool.close()
+    assert not t.is_alive() and errors == []
