@@ -9,7 +9,9 @@ Two tasks, each over ``--policies`` × ``--budgets`` (and a full cache):
   budgets forces evictions inside it). Right when the answer contains the code.
 - ``multiturn``: a conversation whose turns 2-4 give facts (a code, a name, a city), then user turns that ask
   for long answers (``--filler-tokens`` each) until turn 8 asks for one fact; the first prompt only is
-  protected (the product's default). Right when the answer contains the fact.
+  protected (the product's default). Right when the answer contains the fact. ``--notes-tokens K`` makes
+  that first prompt long: K tokens of dev-trace text pasted as the user's notes (a protected prompt takes its
+  share of the budget, and of a tier that holds the starting prompt's words too).
 
 Records (JSONL, one line per case) are appended as they come, resumable; the summary (``--out``) gives per
 setting the accuracy, per depth for passkey, and exact McNemar tests against the full cache and against
@@ -51,13 +53,13 @@ def trace_file(data: Path) -> Path:
     return path
 
 
-def haystack(data: Path, model, n_tokens: int, seed: int) -> list[int]:
+def haystack(data: Path, model, n_tokens: int, seed: int, what: str = "--context") -> list[int]:
     """``n_tokens`` tokens of reasoning text (the dev traces, from a seeded start)."""
     rows = [json.loads(line) for line in trace_file(data).open(encoding="utf-8")]
     text = "\n\n".join(r["trace"] for r in random.Random(seed).sample(rows, len(rows)))
     tokens = model.tokenize(text.encode("utf-8"), add_bos=False)
     if len(tokens) < n_tokens:
-        raise DataError(f"the dev traces have {len(tokens)} tokens, fewer than --context {n_tokens}")
+        raise DataError(f"the dev traces have {len(tokens)} tokens, fewer than {what} {n_tokens}")
     return tokens[:n_tokens]
 
 
@@ -101,7 +103,11 @@ def multiturn_cases(args) -> list[dict]:
 
 def run_multiturn(llm, case: dict, args) -> tuple[str, dict]:
     values = case["values"]
-    messages = [{"role": "user", "content": "Hi! I will tell you a few things about me; remember them."}]
+    first = "Hi! I will tell you a few things about me; remember them."
+    if args.notes_tokens:  # a long protected first prompt: the user pastes notes of theirs
+        notes = llm.detokenize(haystack(Path(args.data), llm, args.notes_tokens, case["seed"], "--notes-tokens"))
+        first += " First, here are some notes I am working on:\n\n" + notes.decode("utf-8", "replace")
+    messages = [{"role": "user", "content": first}]
     turns = [FACTS[i][1].format(v=values[i]) for i in range(3)] + [FILLERS[(case["seed"] + k) % 4] for k in range(3)]
     outs = []
     for text in turns:  # turn 1 is above; turns 2-4 give facts, 5-7 ask for long answers
@@ -123,13 +129,16 @@ def run(args) -> int:
 
     model = args.model or str(default_model_path())
     check_policies(args.policies)  # a typo is refused before any file or answer
-    if args.task == "passkey":
+    if args.notes_tokens < 0:
+        raise ConfigError(f"--notes-tokens must be 0 or more, got {args.notes_tokens}")
+    if args.task == "passkey" or args.notes_tokens:
         trace_file(args.data)  # so is a missing trace file
     records = Path(args.records)
     append_record(records, None)
     rows = read_records(records)
     config = {"model": Path(model).name, "task": args.task, "context": args.context if args.task == "passkey" else None,
-              "filler_tokens": args.filler_tokens if args.task == "multiturn" else None}
+              "filler_tokens": args.filler_tokens if args.task == "multiturn" else None,
+              "notes_tokens": args.notes_tokens if args.task == "multiturn" and args.notes_tokens else None}
     for r in rows:
         if {k: r.get(k) for k in config} != config:
             raise ConfigError(f"{records} holds outcomes of another configuration ({r.get('task')}, "
@@ -220,6 +229,8 @@ def parser() -> ArgParser:
     p.add_argument("--first-seed", type=int, default=0,
                    help="first case seed: below 1000 for development (dev), 1000 and up for reported results")
     p.add_argument("--filler-tokens", type=int, default=200, help="multiturn: tokens of each long answer")
+    p.add_argument("--notes-tokens", type=int, default=0,
+                   help="multiturn: tokens of notes pasted into the (protected) first prompt (0: none)")
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--full-budget", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2)

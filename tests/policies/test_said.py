@@ -131,18 +131,40 @@ def test_a_later_turn_survives_evictions_that_streaming_makes(model, base):
     assert kept["streaming"] == 0.0
 
 
-@pytest.mark.parametrize("protect", [True, False])
-def test_on_one_prompt_said_epikv_is_epikv(model, protect):
+@pytest.mark.parametrize("name", ["said_epikv", "said_words_deep", "streaming"])
+def test_a_long_protected_first_prompt_leaves_a_later_turn_its_tier(model, name):
+    """``said_words_deep`` puts a protected first prompt's words in its tier (half the cells), but with the default
+    recent window (half the budget) the slots left, B/2 minus those words, outnumber the cells any policy may
+    choose, B minus the prompt minus B/2: a long first prompt cannot crowd a later turn out. A 39-token first
+    prompt at 128 cells, 40 generated tokens, a 17-token turn 2 and 200 more: every cell of turn 2 kept, as
+    ``said_epikv`` keeps it (StreamingLLM: none)."""
+    turn1 = model.tokenize("Here are my notes on ships, harbours, tides and the old lighthouse by the bay. " * 2)
+    turn2 = model.tokenize(" Now remember this: my locker code is 4412. Continue the story.", add_special=False)
+    assert 32 <= len(turn1) <= 44 and len(turn2) <= 20  # the turn fits the 128 - 64 - len(turn1) cells left
+    budget = BudgetConfig(kv_budget=128, evict_chunk=4)  # the recent window: half the budget; a round evicts
+    # 4 of the 128 - 64 - 39 = 25 cells a policy may choose: room for turn 2 beside the model's own tokens
+    with Session(model, make_policy(name), budget, SessionConfig(n_threads=2)) as s:
+        generate(s, turn1, 40, SamplingConfig(), ignore_eog=True)
+        start = s.n_past
+        generate(s, s.tokens + turn2, 200, SamplingConfig(), ignore_eog=True, reuse_prefix=True)
+        assert s.stats().max_live <= 128 and s.stats().n_evicted > 150
+        kept = np.isin(np.arange(start, start + len(turn2)), s.live_positions()).mean()
+    assert kept == (0.0 if name == "streaming" else 1.0)
+
+
+@pytest.mark.parametrize("name,protect", [("said_epikv", True), ("said_epikv", False), ("said_words_deep", True)])
+def test_on_one_prompt_said_epikv_is_epikv(model, name, protect):
     """On one prompt, protected or counted against the budget, no token has the tier: the evictions (and so the
-    tokens) of ``said_epikv`` are EPIKV's own, so single-turn figures of EPIKV hold for it."""
+    tokens) of ``said_epikv`` are EPIKV's own, so single-turn figures of EPIKV hold for it. ``said_words_deep``
+    puts the starting prompt in its tier, but a protected prompt is never a candidate: the same evictions."""
     prompt = model.tokenize("Explain step by step how to compute 17 * 23, then check the result. " * (1 + 3 * (not protect)))
     budget = BudgetConfig(kv_budget=96, n_recent=32, evict_chunk=8, protect_prompt=protect)
     runs = {}
-    for name in ("epikv", "said_epikv"):
-        with Session(model, make_policy(name), budget, SessionConfig(n_threads=2), record=True) as s:
+    for policy in ("epikv", name):
+        with Session(model, make_policy(policy), budget, SessionConfig(n_threads=2), record=True) as s:
             res = generate(s, prompt, 160, SamplingConfig(), ignore_eog=True)
-            runs[name] = (res.tokens, [ev.evicted.tolist() for ev in s.events])
-    assert runs["epikv"][1] and runs["said_epikv"] == runs["epikv"]
+            runs[policy] = (res.tokens, [ev.evicted.tolist() for ev in s.events])
+    assert runs["epikv"][1] and runs[name] == runs["epikv"]
 
 
 def test_said_prompt_keeps_a_counted_prompt_where_epikv_evicts_it(model, kept_of_counted_prompt):

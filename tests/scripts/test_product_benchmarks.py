@@ -3,6 +3,7 @@ come from the full-size commands in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -231,6 +232,63 @@ def test_recall_bench_passkey_and_multiturn(tmp_path):
             "--policies", "streaming", "--seeds", "1", "--records", tmp_path / "m.jsonl", "--out", tmp_path / "m.json")
     assert set(d["settings"]) == {"full", "streaming@160"}
 
+
+
+class _Chat:
+    """A stand-in for ``Llama`` in bench_recall's conversation: bytes as tokens, each reply "ok", every call's
+    messages kept."""
+
+    def __init__(self):
+        self.calls = []
+
+    def tokenize(self, text: bytes, add_bos: bool = False) -> list[int]:
+        return list(text)
+
+    def detokenize(self, tokens: list[int]) -> bytes:
+        return bytes(tokens)
+
+    def create_chat_completion(self, messages, **kw):
+        self.calls.append([dict(m) for m in messages])
+        return {"choices": [{"message": {"content": "ok"}}]}
+
+
+def test_recall_multiturn_pastes_the_notes_into_the_first_prompt_only(tmp_path):
+    """--notes-tokens K: the first user message carries K tokens of the dev traces after its greeting, the
+    later turns are unchanged; without it the first message is the greeting alone."""
+    spec = importlib.util.spec_from_file_location("_bench_recall", REPO / "scripts" / "bench_recall.py")
+    br = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(br)
+    data = trace_data(tmp_path)
+    case = br.multiturn_cases(br.parser().parse_args(["--records", "x", "--seeds", "1"]))[0]
+    chats = {}
+    for k in (0, 40):
+        args = br.parser().parse_args(["--records", "x", "--task", "multiturn", "--data", str(data),
+                                       "--notes-tokens", str(k)])
+        chats[k] = _Chat()
+        br.run_multiturn(chats[k], case, args)
+    plain, noted = chats[0].calls[-1], chats[40].calls[-1]
+    assert plain[0]["content"] == "Hi! I will tell you a few things about me; remember them."
+    head, notes = noted[0]["content"].split(":\n\n", 1)
+    assert head.startswith(plain[0]["content"]) and len(notes.encode()) == 40 and notes.encode() in \
+        (data / "r1_traces_dev.jsonl").read_bytes()
+    assert noted[1:] == plain[1:] and len(plain) == 15  # 8 user turns between 7 answers, the question last
+
+
+def test_recall_multiturn_notes_are_their_own_configuration(tmp_path):
+    """Records of one --notes-tokens never mix with another's; a negative count is one error line, exit 2."""
+    data = trace_data(tmp_path)
+    records = tmp_path / "m.jsonl"
+    d = run("bench_recall.py", "--data", data, "--task", "multiturn", "--notes-tokens", "40", "--filler-tokens", "8",
+            "--budgets", "160", "--policies", "streaming", "--seeds", "1", "--records", records,
+            "--out", tmp_path / "m.json")
+    assert set(d["settings"]) == {"full", "streaming@160"} and d["settings"]["streaming@160"]["mean_evicted"] > 0
+    assert {json.loads(x)["notes_tokens"] for x in records.read_text().splitlines()} == {40}
+    for extra, why in ((["--notes-tokens", "0"], "another configuration"), (["--notes-tokens", "-1"], "--notes-tokens")):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_recall.py"), "--data", str(data), "--task",
+                            "multiturn", "--filler-tokens", "8", "--budgets", "160", "--policies", "streaming",
+                            "--seeds", "1", "--records", str(records), *extra], capture_output=True, text=True,
+                           cwd=REPO, timeout=300)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, r.stderr
 
 def test_passkey_ranks_finds_every_digit_of_each_code(tmp_path):
     """scripts/passkey_ranks.py on the default model: each case's code is found as its digit tokens after the
