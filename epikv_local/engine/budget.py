@@ -205,6 +205,14 @@ class EvictionEngine:
         return self.newest + 1
 
     # -- eviction -----------------------------------------------------------------------------------------
+    def in_protected_prompt(self, positions: np.ndarray) -> np.ndarray:
+        """(len(positions),) bool: True where a position lies in the starting prompt that the budget protects
+        (``Observation.protected``); all False when the prompt is not protected."""
+        positions = np.asarray(positions)
+        if not self.cfg.protect_prompt or self.prompt_end is None:
+            return np.zeros(len(positions), dtype=bool)
+        return positions < self.prompt_end
+
     def protected(self, positions: np.ndarray, incoming: int = 0) -> np.ndarray:
         """Protection mask of live positions. incoming > 0 counts the recent window from the newest position
         *after* that many new tokens (the window slides over them)."""

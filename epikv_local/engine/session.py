@@ -470,6 +470,7 @@ class Session(Closing):
         self._rows, self._rows_round, self._kept = out_rows, round_, None
         obs = self.capture.observe(pos, rows, n_total)
         obs.given = np.full(len(part), given)
+        obs.protected = self.engine.in_protected_prompt(pos) if given else np.zeros(len(part), dtype=bool)
         obs.template = template
         obs.prompt_left = prompt_left
         if self.pool.digits is not None:

@@ -91,6 +91,8 @@ class Observation:
         rewind that dropped tokens or after a restored session file); None unless the policy's signals ask for ``surprise``.
     prompt_left: tokens of the same prompt still to be decoded after these (0: the prompt's last decode, or not a
         prompt): a policy evicting while a long prompt streams in learns its length before it has seen it all.
+    protected: (T,) bool, True for tokens of the starting prompt that the budget protects (never evicted, so a
+        policy's order of them changes nothing); None when no session built the observation.
     """
 
     positions: np.ndarray
@@ -105,6 +107,7 @@ class Observation:
     numeric: np.ndarray | None = None
     surprise: np.ndarray | None = None
     prompt_left: int = 0
+    protected: np.ndarray | None = None
 
 
 @dataclass

@@ -23,9 +23,10 @@ crowd out all of the model's own text outside the recent window. Tokens decoded 
 text) count as the model's own: the policy is then its base. On one prompt every given token is left to the
 base, so ``said_epikv`` evicts exactly as ``epikv`` (tested, prompt protected and counted).
 
-``prompt=True`` puts the starting prompt in the given tier too. It changes nothing while the prompt is
-protected (its cells are outside the selection); with the prompt counted against the budget (the papers'
-setting) the question of a word problem is then kept before the model's reasoning, up to ``share`` of the
+``prompt=True`` puts the starting prompt in the given tier too, where the budget does not protect it
+(``Observation.protected``): a protected cell is never a candidate, so a tier slot spent on it would be lost to
+a later turn's words (a long protected first prompt took most of ``said_words_deep``'s half-cache tier before
+this); with the prompt counted against the budget (the papers' setting) the question of a word problem is then kept before the model's reasoning, up to ``share`` of the
 cells, the oldest words first (the system text and the question come before the instruction that ends a
 prompt). Registered as ``said_prompt`` (``share=0.5``): the `facts` policy kept a GSM8K question's digits and
 lost the words that say what they count; this keeps the words too.
@@ -49,8 +50,8 @@ beside the recent window, so ``said_prompt`` (oldest first) kept the boilerplate
 got 6 of the full cache's 21 right answers on the test prompts of 110 tokens or more, StreamingLLM 7. Registered
 as ``said_words`` (``said_prompt`` with it). Text not rendered from messages (a raw prompt) carries no marks,
 and then it is ``said_prompt``.
-``surprise_beyond=b`` (0: off) picks between the two orders by length. While the caller's words given so far (evicted
-ones included, the template's not) and the rest of the prompt being decoded (``Observation.prompt_left``: a
+``surprise_beyond=b`` (0: off) picks between the two orders by length. While the caller's words in the tier so far (evicted
+ones included; the template's and a protected prompt's not) and the rest of the prompt being decoded (``Observation.prompt_left``: a
 long prompt's length is known from its first chunk, before "oldest first" has evicted a fact early in it) number
 at most b tiers, the tier keeps its ``given_order`` (``said_words_deep``: oldest first). Beyond, the overflow's worth of the tier's slots (the
 whole tier at most) go to the most surprising caller's words, ranked among themselves by surprise. Why: the tier
@@ -149,8 +150,11 @@ class SaidPolicy(Policy):
             self._order.observe(obs)
         given = np.zeros(len(obs.positions), dtype=bool) if obs.given is None else np.asarray(obs.given, dtype=bool)
         # the prompt that starts a sequence stays the base's unless ``prompt``: protected by the budget, or counted
-        # against it (the papers' setting), where the tier would overrule the base on every token
-        in_tier = given & (self._answered or self.prompt)
+        # against it (the papers' setting), where the tier would overrule the base on every token. A protected
+        # token never joins the tier: it is never a candidate, so a slot given to it is one lost to a later turn
+        protected = (np.zeros(len(given), dtype=bool) if obs.protected is None
+                     else np.asarray(obs.protected, dtype=bool))
+        in_tier = given & ~protected & (self._answered or self.prompt)
         template = None if obs.template is None or not self.template_last else np.asarray(obs.template, dtype=bool)
         if self.surprise_beyond:  # only the slots read the count: no work per token for the other said policies
             self._count(obs, in_tier, template)

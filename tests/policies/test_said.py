@@ -58,6 +58,22 @@ def test_prompt_puts_the_starting_prompt_in_the_tier_up_to_its_share():
     assert np.flatnonzero(r.score(np.arange(16)) >= 2.0).tolist() == list(range(12))
 
 
+def test_a_protected_prompt_takes_no_slot_of_the_tier():
+    """With the starting prompt protected (``Observation.protected``), ``prompt=True`` leaves it out of the tier:
+    its cells are never candidates, so the share's slots all go to a later turn's words."""
+    def chunks(protect):
+        p = make_policy("said", prompt=True, share=0.5)
+        p.bind(SHAPE)
+        for pos, given in ((range(0, 8), True), (range(8, 12), False), (range(12, 20), True), (range(20, 24), False)):
+            pos = np.arange(pos.start, pos.stop)
+            p.observe(Observation(positions=pos, given=np.full(len(pos), given),
+                                  protected=np.full(len(pos), protect and pos[0] < 8)))
+        return np.flatnonzero(p.score(np.arange(24)) >= 2.0).tolist()
+
+    assert chunks(protect=False) == list(range(8)) + list(range(12, 16))  # 12 slots: the prompt first
+    assert chunks(protect=True) == list(range(12, 20))  # the later turn's 8 words, all of them
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, None])
 def test_prompt_setting_is_a_bool(bad):
     from epikv_local.errors import ConfigError
@@ -131,18 +147,20 @@ def test_a_later_turn_survives_evictions_that_streaming_makes(model, base):
     assert kept["streaming"] == 0.0
 
 
-@pytest.mark.parametrize("name", ["said_epikv", "said_words_deep", "streaming"])
-def test_a_long_protected_first_prompt_leaves_a_later_turn_its_tier(model, name):
-    """``said_words_deep`` puts a protected first prompt's words in its tier (half the cells), but with the default
-    recent window (half the budget) the slots left, B/2 minus those words, outnumber the cells any policy may
-    choose, B minus the prompt minus B/2: a long first prompt cannot crowd a later turn out. A 39-token first
-    prompt at 128 cells, 40 generated tokens, a 17-token turn 2 and 200 more: every cell of turn 2 kept, as
-    ``said_epikv`` keeps it (StreamingLLM: none)."""
-    turn1 = model.tokenize("Here are my notes on ships, harbours, tides and the old lighthouse by the bay. " * 2)
+@pytest.mark.parametrize("name,n_recent,repeat", [("said_epikv", None, 2), ("said_words_deep", None, 2),
+                                                  ("streaming", None, 2), ("said_words_deep", 16, 3),
+                                                  ("said_epikv", 16, 3)])
+def test_a_long_protected_first_prompt_leaves_a_later_turn_its_tier(model, name, n_recent, repeat):
+    """``said_words_deep``'s tier (half the cells) holds a protected first prompt's words only where they are not
+    protected, so a long first prompt cannot crowd a later turn out, whatever the recent window: a first prompt
+    of 39 tokens (the default window, half the budget) or 58 (a 16-cell window, where 58 prompt words would leave
+    6 of the tier's 64 slots) at 128 cells, 40 generated tokens, a 19-token turn 2 and 200 more: every cell of
+    turn 2 kept, as ``said_epikv`` keeps it (StreamingLLM: none)."""
+    turn1 = model.tokenize("Here are my notes on ships, harbours, tides and the old lighthouse by the bay. " * repeat)
     turn2 = model.tokenize(" Now remember this: my locker code is 4412. Continue the story.", add_special=False)
-    assert 32 <= len(turn1) <= 44 and len(turn2) <= 20  # the turn fits the 128 - 64 - len(turn1) cells left
-    budget = BudgetConfig(kv_budget=128, evict_chunk=4)  # the recent window: half the budget; a round evicts
-    # 4 of the 128 - 64 - 39 = 25 cells a policy may choose: room for turn 2 beside the model's own tokens
+    assert len(turn1) in (39, 58) and len(turn2) <= 20  # the turn fits the cells the prompt and window leave
+    # a round evicts 4 of the 25 (or 54) cells a policy may choose: room for turn 2 beside the model's own tokens
+    budget = BudgetConfig(kv_budget=128, n_recent=n_recent, evict_chunk=4)
     with Session(model, make_policy(name), budget, SessionConfig(n_threads=2)) as s:
         generate(s, turn1, 40, SamplingConfig(), ignore_eog=True)
         start = s.n_past
