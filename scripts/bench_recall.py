@@ -129,8 +129,9 @@ def run(args) -> int:
 
     model = args.model or str(default_model_path())
     check_policies(args.policies)  # a typo is refused before any file or answer
-    if args.notes_tokens < 0:
-        raise ConfigError(f"--notes-tokens must be 0 or more, got {args.notes_tokens}")
+    if args.notes_tokens < 0 or (args.notes_tokens and args.task != "multiturn"):
+        raise ConfigError(f"--notes-tokens must be 0 or more, for --task multiturn only; got {args.notes_tokens} "
+                          f"with --task {args.task}")
     if args.task == "passkey" or args.notes_tokens:
         trace_file(args.data)  # so is a missing trace file
     records = Path(args.records)

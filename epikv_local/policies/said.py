@@ -26,8 +26,8 @@ base, so ``said_epikv`` evicts exactly as ``epikv`` (tested, prompt protected an
 ``prompt=True`` puts the starting prompt in the given tier too, where the budget does not protect it
 (``Observation.protected``): a protected cell is never a candidate, so a tier slot spent on it would be lost to
 a later turn's words (a long protected first prompt took most of ``said_words_deep``'s half-cache tier before
-this); with the prompt counted against the budget (the papers' setting) the question of a word problem is then kept before the model's reasoning, up to ``share`` of the
-cells, the oldest words first (the system text and the question come before the instruction that ends a
+this); with the prompt counted against the budget (the papers' setting) the question of a word problem is then
+kept before the model's reasoning, up to ``share`` of the cells, the oldest words first (the system text and the question come before the instruction that ends a
 prompt). Registered as ``said_prompt`` (``share=0.5``): the `facts` policy kept a GSM8K question's digits and
 lost the words that say what they count; this keeps the words too.
 
@@ -50,9 +50,9 @@ beside the recent window, so ``said_prompt`` (oldest first) kept the boilerplate
 got 6 of the full cache's 21 right answers on the test prompts of 110 tokens or more, StreamingLLM 7. Registered
 as ``said_words`` (``said_prompt`` with it). Text not rendered from messages (a raw prompt) carries no marks,
 and then it is ``said_prompt``.
-``surprise_beyond=b`` (0: off) picks between the two orders by length. While the caller's words in the tier so far (evicted
-ones included; the template's and a protected prompt's not) and the rest of the prompt being decoded (``Observation.prompt_left``: a
-long prompt's length is known from its first chunk, before "oldest first" has evicted a fact early in it) number
+``surprise_beyond=b`` (0: off) picks between the two orders by length. While the caller's words in the tier so far
+(evicted ones included; the template's and a protected prompt's not) and the rest of the prompt being decoded
+(``Observation.prompt_left``: a long prompt's length is known from its first chunk, before "oldest first" has evicted a fact early in it) number
 at most b tiers, the tier keeps its ``given_order`` (``said_words_deep``: oldest first). Beyond, the overflow's worth of the tier's slots (the
 whole tier at most) go to the most surprising caller's words, ranked among themselves by surprise. Why: the tier
 orders disagree by length. A GSM8K question (~130 words, a 96-cell tier at 192 cells) nearly fits, and oldest
@@ -220,7 +220,7 @@ class SaidPolicy(Policy):
 
     def _surprise_slots(self, n: int) -> int:
         """How many of the tier's ``round(share * n)`` slots go to the most surprising caller's words: the words
-        given so far (evicted ones included; the template's not) and the rest of the prompt being decoded (known
+        in the tier so far (evicted ones included; the template's and a protected prompt's not) and the rest of the prompt being decoded (known
         from its first chunk: a fact early in a long text must not be evicted as "oldest first" before the text's
         length is seen), beyond ``surprise_beyond`` tiers; the whole tier at most."""
         return int(min(self._beyond(self._words + self._coming, n), round(self.share * n)))
