@@ -11,7 +11,10 @@ Two tasks, each over ``--policies`` × ``--budgets`` (and a full cache):
   for long answers (``--filler-tokens`` each) until turn 8 asks for one fact; the first prompt only is
   protected (the product's default). Right when the answer contains the fact. ``--notes-tokens K`` makes
   that first prompt long: K tokens of dev-trace text pasted as the user's notes (a protected prompt takes its
-  share of the budget, and of a tier that holds the starting prompt's words too).
+  share of the budget, and of a tier that holds the starting prompt's words too). ``--paste-tokens K`` makes
+  the chat long in the caller's own words: each of the turns 5-7 pastes K tokens of dev-trace text (other
+  notes of the user's, not protected) before its request, so that the caller's words outnumber what a tier
+  of the ``said`` policies holds and the facts compete with them.
 
 Records (JSONL, one line per case) are appended as they come, resumable; the summary (``--out``) gives per
 setting the accuracy, per depth for passkey, and exact McNemar tests against the full cache and against
@@ -109,6 +112,11 @@ def run_multiturn(llm, case: dict, args) -> tuple[str, dict]:
         first += " First, here are some notes I am working on:\n\n" + notes.decode("utf-8", "replace")
     messages = [{"role": "user", "content": first}]
     turns = [FACTS[i][1].format(v=values[i]) for i in range(3)] + [FILLERS[(case["seed"] + k) % 4] for k in range(3)]
+    if args.paste_tokens:  # long turns of the caller's own words, unprotected: notes pasted before each request
+        for k in range(3):  # another stretch of the traces per turn (seeded by case and turn)
+            pasted = haystack(Path(args.data), llm, args.paste_tokens, case["seed"] * 10 + k + 1, "--paste-tokens")
+            turns[3 + k] = ("Here are more of my notes:\n\n" + llm.detokenize(pasted).decode("utf-8", "replace")
+                            + "\n\n" + turns[3 + k])
     outs = []
     for text in turns:  # turn 1 is above; turns 2-4 give facts, 5-7 ask for long answers
         outs.append(llm.create_chat_completion(messages=messages, temperature=0, max_tokens=args.filler_tokens))
@@ -132,14 +140,18 @@ def run(args) -> int:
     if args.notes_tokens < 0 or (args.notes_tokens and args.task != "multiturn"):
         raise ConfigError(f"--notes-tokens must be 0 or more, for --task multiturn only; got {args.notes_tokens} "
                           f"with --task {args.task}")
-    if args.task == "passkey" or args.notes_tokens:
+    if args.paste_tokens < 0 or (args.paste_tokens and args.task != "multiturn"):
+        raise ConfigError(f"--paste-tokens must be 0 or more, for --task multiturn only; got {args.paste_tokens} "
+                          f"with --task {args.task}")
+    if args.task == "passkey" or args.notes_tokens or args.paste_tokens:
         trace_file(args.data)  # so is a missing trace file
     records = Path(args.records)
     append_record(records, None)
     rows = read_records(records)
     config = {"model": Path(model).name, "task": args.task, "context": args.context if args.task == "passkey" else None,
               "filler_tokens": args.filler_tokens if args.task == "multiturn" else None,
-              "notes_tokens": args.notes_tokens if args.task == "multiturn" and args.notes_tokens else None}
+              "notes_tokens": args.notes_tokens if args.task == "multiturn" and args.notes_tokens else None,
+              "paste_tokens": args.paste_tokens if args.task == "multiturn" and args.paste_tokens else None}
     for r in rows:
         if {k: r.get(k) for k in config} != config:
             raise ConfigError(f"{records} holds outcomes of another configuration ({r.get('task')}, "
@@ -232,6 +244,8 @@ def parser() -> ArgParser:
     p.add_argument("--filler-tokens", type=int, default=200, help="multiturn: tokens of each long answer")
     p.add_argument("--notes-tokens", type=int, default=0,
                    help="multiturn: tokens of notes pasted into the (protected) first prompt (0: none)")
+    p.add_argument("--paste-tokens", type=int, default=0,
+                   help="multiturn: tokens of notes pasted into each of the turns 5-7 (not protected; 0: none)")
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--full-budget", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2)

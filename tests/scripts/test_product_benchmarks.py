@@ -290,6 +290,56 @@ def test_recall_multiturn_notes_are_their_own_configuration(tmp_path):
                            cwd=REPO, timeout=300)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, r.stderr
 
+
+def test_recall_multiturn_pastes_notes_into_the_long_answer_turns(tmp_path):
+    """--paste-tokens K: each of the turns 5-7 (the requests for long answers) carries K tokens of the dev
+    traces before its request; the first prompt and the fact turns are unchanged."""
+    spec = importlib.util.spec_from_file_location("_bench_recall", REPO / "scripts" / "bench_recall.py")
+    br = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(br)
+    data = trace_data(tmp_path)
+    case = br.multiturn_cases(br.parser().parse_args(["--records", "x", "--seeds", "1"]))[0]
+    chats = {}
+    for k in (0, 30):
+        args = br.parser().parse_args(["--records", "x", "--task", "multiturn", "--data", str(data),
+                                       "--paste-tokens", str(k)])
+        chats[k] = _Chat()
+        br.run_multiturn(chats[k], case, args)
+    plain, pasted = chats[0].calls[-1], chats[30].calls[-1]
+    users = [i for i, m in enumerate(plain) if m["role"] == "user"]
+    assert len(users) == 8
+    trace = (data / "r1_traces_dev.jsonl").read_bytes()
+    for n, i in enumerate(users):
+        if n in (4, 5, 6):  # turns 5-7
+            head, rest = pasted[i]["content"].split(":\n\n", 1)
+            notes, request = rest.rsplit("\n\n", 1)
+            assert head == "Here are more of my notes" and request == plain[i]["content"]
+            assert len(notes.encode()) == 30 and notes.encode() in trace
+        else:
+            assert pasted[i] == plain[i]
+
+
+def test_recall_multiturn_pasted_notes_are_their_own_configuration(tmp_path):
+    """Records of one --paste-tokens never mix with another's; a negative count, or the option with the passkey
+    task, is one error line, exit 2, and writes no records."""
+    data = trace_data(tmp_path)
+    records = tmp_path / "m.jsonl"
+    d = run("bench_recall.py", "--data", data, "--task", "multiturn", "--paste-tokens", "40", "--filler-tokens", "8",
+            "--budgets", "160", "--policies", "streaming", "--seeds", "1", "--records", records,
+            "--out", tmp_path / "m.json")
+    assert set(d["settings"]) == {"full", "streaming@160"} and d["settings"]["streaming@160"]["mean_evicted"] > 0
+    assert {json.loads(x)["paste_tokens"] for x in records.read_text().splitlines()} == {40}
+    for task, extra, why, rec in (("multiturn", ["--paste-tokens", "0"], "another configuration", records),
+                                  ("multiturn", ["--paste-tokens", "-1"], "--paste-tokens", records),
+                                  ("passkey", ["--paste-tokens", "8"], "--paste-tokens", tmp_path / "p.jsonl")):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_recall.py"), "--data", str(data), "--task",
+                            task, "--filler-tokens", "8", "--budgets", "160", "--policies", "streaming",
+                            "--seeds", "1", "--records", str(rec), *extra], capture_output=True, text=True,
+                           cwd=REPO, timeout=300)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, r.stderr
+    assert not (tmp_path / "p.jsonl").exists()
+
+
 def test_passkey_ranks_finds_every_digit_of_each_code(tmp_path):
     """scripts/passkey_ranks.py on the default model: each case's code is found as its digit tokens after the
     fact sentence (not the instruction's "secret"), and every digit gets a percentile in both span settings."""
