@@ -99,9 +99,10 @@ _SPECS = [
                "question whole from its start, a fact deep in a long prompt), the chat template's text below"),
     PolicySpec("said_words_deep", SaidEpikvPolicy, {"prompt": True, "share": 0.5, "template_last": True,
                                                     "surprise_beyond": 2.0},
-               "as said_words while the caller's words fit in two tiers (a question kept whole from its start); "
-               "beyond that the overflow's worth of the tier goes to the most surprising words (a fact deep in a "
-               "long text). The default: on one protected prompt it is epikv"),
+               "as said_words while each turn's words fit in two tiers (a question kept whole from its start); "
+               "beyond that the overflow's worth of the tier goes to that turn's most surprising words (a fact "
+               "deep in a long text), below the short turns' words. The default: on one protected prompt it is "
+               "epikv"),
     PolicySpec("facts", FactsPolicy, help="numbers and the tokens beside them before the rest (a share of the "
                "cache at most); EPIKV's score within each"),
     PolicySpec("surprise", SurprisePolicy, help="the spans the model did not expect: its own surprisal of each "
@@ -119,7 +120,7 @@ _SPECS = [
 REGISTRY: dict[str, PolicySpec] = {s.name: s for s in _SPECS}
 #: the policy of every front door when none is named: EPIKV's score for the model's own tokens, the caller's words
 #: (later chat turns; a counted prompt too) kept before them, the chat template's text last, the most surprising
-#: words once they overflow two tiers. On one protected prompt it evicts exactly as ``epikv`` (tested); chosen on
+#: words of a turn too long for two tiers. On one protected prompt it evicts exactly as ``epikv`` (tested); chosen on
 #: the accuracy and recall benchmarks: with the prompt protected it recalled 10 of 12 multi-turn facts at 192
 #: cells where ``said_epikv`` recalled 4 (p = 0.031), the same 12 of 12 at 256; with the prompt counted it is the
 #: one policy significantly above StreamingLLM on GSM8K, MATH and the passkey (docs/benchmarks.md)

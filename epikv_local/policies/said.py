@@ -50,18 +50,24 @@ beside the recent window, so ``said_prompt`` (oldest first) kept the boilerplate
 got 6 of the full cache's 21 right answers on the test prompts of 110 tokens or more, StreamingLLM 7. Registered
 as ``said_words`` (``said_prompt`` with it). Text not rendered from messages (a raw prompt) carries no marks,
 and then it is ``said_prompt``.
-``surprise_beyond=b`` (0: off) picks between the two orders by length. While the caller's words in the tier so far
-(evicted ones included; the template's and a protected prompt's not) and the rest of the prompt being decoded
-(``Observation.prompt_left``: a long prompt's length is known from its first chunk, before "oldest first" has evicted a fact early in it) number
-at most b tiers, the tier keeps its ``given_order`` (``said_words_deep``: oldest first). Beyond, the overflow's worth of the tier's slots (the
-whole tier at most) go to the most surprising caller's words, ranked among themselves by surprise. Why: the tier
+``surprise_beyond=b`` (0: off) picks between the two orders by length, turn by turn (a turn: the caller's words
+between two of the model's tokens). While a turn's words (evicted ones included; the template's and a protected
+prompt's not; for the turn being decoded, the rest of its prompt too: ``Observation.prompt_left``, so a long
+prompt's length is known from its first chunk, before "oldest first" has evicted a fact early in it) number at
+most b tiers, its words keep the tier's ``given_order`` (``said_words_deep``: oldest first). Beyond, the overflow's
+worth of the tier's slots (the whole tier at most) go to that turn's most surprising words, ranked among
+themselves by surprise, below the words of the turns that fit. Why: the tier
 orders disagree by length. A GSM8K question (~130 words, a 96-cell tier at 192 cells) nearly fits, and oldest
 first keeps it whole from its start, where a surprise order drops words inside it (``said_words_surprise``: 13 of
 60 dev problems, ``said_words`` 17). A 1,000-token text with a fact inside cannot be kept from its start, and
 surprise finds the fact (passkey dev: ``said_words_surprise`` 9 of 10, ``said_words`` 2). Registered as
-``said_words_deep`` (b = 2, in the wide gap between the two dev sets' ratios, ~1.4 and ~8). The words of every
-earlier turn count: a long chat moves even a short new question's tier towards surprise. A rewind forgets the
-words of the branch it drops. A template token never takes a slot, but its surprise, spread by the window mean,
+``said_words_deep`` (b = 2, in the wide gap between the two dev sets' ratios, ~1.4 and ~8). Why per turn: counted
+over the whole chat, three turns of ~150 pasted words each put every slot on surprise at 256 cells, and the
+facts of the short turns before them (decoded without surprisal, which is computed only once a text could
+overflow) lost their place: 0 of 3 dev conversations against ``said_words``' 2 (``bench_recall.py
+--paste-tokens 128``). What the caller typed (a fact, a question) is not ranked against a pasted text's
+surprise; several short turns are kept oldest first, however long together. A rewind forgets the words of the
+branch it drops. A template token never takes a slot, but its surprise, spread by the window mean,
 can lift the caller's words beside it (the ends of a message).
 Signals read: the base's (none for streaming; every token's logits for surprise), so flash attention stays on. Designed on the recall benchmark's dev conversations (seeds below
 1000) only; ``said_facts`` on the first 60 GSM8K dev problems.
@@ -122,7 +128,10 @@ class SaidPolicy(Policy):
         self._answered = False  # the model has produced a token: what is given from now on is a later turn
         self._coming = 0  # tokens of the tier's prompt being decoded still to come (Observation.prompt_left; its
         # template's tokens included: the count errs towards "long")
-        self._words = 0  # the caller's words given so far at positions below _end (evicted ones included)
+        self._turns = np.zeros(0, dtype=np.int64)  # per turn (a stretch of the tier's tokens between two of the
+        # model's), the caller's words in it (evicted ones included); an int64 array, as a session file holds it
+        self._turn_of = PositionScores()  # the turn of each tier position (NaN: not in the tier)
+        self._in_turn = False  # the newest position observed was the tier's: a prompt chunk continues its turn
         self._end = 0  # one past the newest position observed
         if self.template_last:  # 1.0: a chat template wrote it (Observation.template), 0.0: otherwise
             self._template = PositionScores()
@@ -141,8 +150,10 @@ class SaidPolicy(Policy):
         self._given.reset()
         if self.template_last:
             self._template.reset()
-        self._answered = False
-        self._coming = self._words = self._end = 0
+        self._answered = self._in_turn = False
+        self._turns = np.zeros(0, dtype=np.int64)
+        self._turn_of.reset()
+        self._coming = self._end = 0
 
     def observe(self, obs: Observation) -> None:
         self._base.observe(obs)
@@ -164,14 +175,24 @@ class SaidPolicy(Policy):
             self._template.set(obs.positions, np.zeros(len(obs.positions)) if template is None else template)
 
     def _count(self, obs: Observation, in_tier: np.ndarray, template: np.ndarray | None) -> None:
-        """Book ``obs``'s caller's words (tier marks, not the template's) and the prompt still to come."""
-        lo = int(obs.positions.min())
-        if lo < self._end:  # a rewind: what lay at or after lo is gone (a branch's words no longer count)
-            self._words = self._count_words(lo)
+        """Book ``obs``'s caller's words (tier marks, not the template's) in their turns, and the prompt still to
+        come. ``obs.positions`` ascend (one decode)."""
+        positions = np.asarray(obs.positions, dtype=np.int64)
+        if int(positions[0]) < self._end:  # a rewind: what lay at or after it is gone (a branch's words no longer count)
+            self._recount(int(positions[0]))
+        self._end = int(positions[-1]) + 1
+        if not in_tier.any():  # the model's own token (the common case): no turn to book
+            self._turn_of.set(positions, np.full(len(positions), np.nan))
+            self._in_turn, self._coming = False, 0
+            return
+        starts = in_tier & ~np.concatenate(([self._in_turn], in_tier[:-1]))  # a tier token after the model's
+        turn = len(self._turns) - 1 + np.cumsum(starts)
+        self._turns = np.concatenate([self._turns, np.zeros(int(np.count_nonzero(starts)), dtype=np.int64)])
         words = in_tier if template is None else in_tier & ~template
-        self._words += int(np.count_nonzero(words))
-        self._coming = int(obs.prompt_left) if in_tier.any() else 0
-        self._end = int(obs.positions.max()) + 1
+        np.add.at(self._turns, turn[words], 1)
+        self._turn_of.set(positions, np.where(in_tier, turn, np.nan))
+        self._in_turn = bool(in_tier[-1])
+        self._coming = int(obs.prompt_left)
 
     def score(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
@@ -188,54 +209,74 @@ class SaidPolicy(Policy):
                 within = rank01(np.maximum(rank01(older), rank01(within)))  # both ranks over the given words
         template = (self._template.get(positions[given]) == 1.0 if self.template_last
                     else np.zeros(len(given), dtype=bool))
-        slots = self._surprise_slots(len(positions)) if self.surprise_beyond else 0
-        if slots > 0:  # the caller's words far overflow the tier: a text that long cannot be kept whole from its
+        slots, long = self._surprise_slots(positions[given], len(positions)) if self.surprise_beyond else (0, None)
+        if slots > 0:  # a turn's words far overflow the tier: a text that long cannot be kept whole from its
             # start, so the overflow's worth of slots (up to the whole tier) go to its most surprising words (a fact
             # deep inside it); a question that nearly fits stays oldest first, whole from its start
             surprise = self._order.score(positions[given]) if self._order is not None else self._base.score(
                 positions[given])
-            surprise = np.where(template | np.isnan(surprise), -np.inf, surprise)  # never a template token
+            surprise = np.where(template | np.isnan(surprise) | ~long, -np.inf, surprise)  # never a template token
             top = np.argsort(-surprise, kind="stable")[:int(slots)]
             top = top[np.isfinite(surprise[top])]
             within = rank01(within)
             within[top] = 2.0 + rank01(surprise[top])  # among themselves by surprise too: when eviction must cut
             # into the tier (its slots in the protected recent window), the fact outlasts older, duller words
+            within[~long & ~template] += 4.0  # the words of the turns that fit above all: what the caller typed
+            # (a fact, a question) is not ranked against a pasted text's surprise
         if self.template_last:  # the template's own text (role markers, a default system prompt) below the
             # caller's words, each group in its own order
-            within = rank01(within - 4.0 * template)
+            within = rank01(within - 10.0 * template)
         elif slots > 0:
             within = rank01(within)  # lift_tier takes ranks in [0, 1]
         return lift_tier(rank, given, within, self.share)  # the share's worth ranked highest within the given
 
     def wants_surprise(self, given: int, min_cells: int) -> bool:
         """With ``surprise_beyond`` as the only reader of surprisal (the given order and the base need none), only
-        once the slots could open: the caller's words so far plus those coming (their template's tokens counted
-        too: the count errs towards "long") beyond ``surprise_beyond`` tiers of the fewest cells a round scores.
-        Why: a prompt's surprisal costs the output layer once per token (prefill at 0.71x plain's speed on the
-        0.5B model), and a question that fits is kept oldest first, its surprisal never read. A long chat whose
-        words cross the line later has no surprisal for its earlier turns: those keep their oldest-first order."""
+        once the slots could open: a turn's words (for the turn being decoded, those so far plus those coming,
+        their template's tokens counted too: the count errs towards "long") beyond ``surprise_beyond`` tiers of the
+        fewest cells a round scores. Why: a prompt's surprisal costs the output layer once per token (prefill at
+        0.71x plain's speed on the 0.5B model), and a turn that fits is kept oldest first, its surprisal never
+        read: a long chat of short turns never pays it."""
         if self._order is None or self.given_order not in ("oldest", "base") or not self.surprise_beyond:
             return True
-        return self._beyond(self._words + given, min_cells) > 0
+        now = (int(self._turns[-1]) if self._in_turn and len(self._turns) else 0) + given  # the turn being decoded
+        return self._beyond(max(int(self._turns.max(initial=0)), now), min_cells) > 0
 
-    def _surprise_slots(self, n: int) -> int:
-        """How many of the tier's ``round(share * n)`` slots go to the most surprising caller's words: the words
-        in the tier so far (evicted ones included; the template's and a protected prompt's not) and the rest of the prompt being decoded (known
-        from its first chunk: a fact early in a long text must not be evicted as "oldest first" before the text's
-        length is seen), beyond ``surprise_beyond`` tiers; the whole tier at most."""
-        return int(min(self._beyond(self._words + self._coming, n), round(self.share * n)))
+    def _surprise_slots(self, given_positions: np.ndarray, n: int) -> tuple[int, np.ndarray]:
+        """How many of the tier's ``round(share * n)`` slots (n: the cells scored) go to the most surprising words
+        of the long turns, and which of ``given_positions`` (the tier's, scored) are in a long turn. A turn is long
+        when its words (evicted ones included; the template's and a protected prompt's not; for the turn being
+        decoded, the rest of its prompt too: known from its first chunk, so a fact early in a long text is not
+        evicted as "oldest first" before the text's length is seen) exceed ``surprise_beyond`` tiers; the slots are
+        the long turns' overflow, the whole tier at most."""
+        words = self._turns.astype(np.float64)
+        if len(words) and self._in_turn:
+            words[-1] += self._coming
+        over = np.maximum(self._beyond(words, n), 0.0)
+        turn = self._turn_of.get(given_positions)
+        long = np.zeros(len(given_positions), dtype=bool)
+        ok = (turn >= 0) & (turn < len(over))  # (NaN: not the tier's; a position past a rewind holds its old turn
+        # until it is decoded again)
+        long[ok] = over[turn[ok].astype(np.int64)] > 0
+        return int(min(over.sum(), round(self.share * n))), long
 
     def _beyond(self, words: int, n: int) -> float:
         """How far ``words`` exceed ``surprise_beyond`` tiers of ``round(share * n)`` cells (n: the cells scored)."""
         return words - self.surprise_beyond * round(self.share * n)
 
-    def _count_words(self, end: int) -> int:
-        """The caller's words (tier marks, not the template's) at positions below ``end``."""
+    def _recount(self, end: int) -> None:
+        """Forget the turns' words at positions from ``end`` on (a rewind)."""
+        self._turn_of.ensure(end)
+        self._given.ensure(end)
+        turn = self._turn_of.values[:end]
         words = self._given.values[:end] == 1.0
         if self.template_last:  # the two arrays grow apart when scored at different positions
             m = min(len(words), len(self._template.values))
             words[:m] &= self._template.values[:m] != 1.0
-        return int(np.count_nonzero(words))
+        known = (turn >= 0) & (turn < len(self._turns))  # NaN: not the tier's (and a session file's ids bounded)
+        n_turns = int(turn[known].max()) + 1 if known.any() else 0
+        self._turns = np.bincount(turn[known & words].astype(np.int64), minlength=n_turns).astype(np.int64)
+        self._in_turn = bool(end > 0 and known[end - 1])
 
 
 @dataclass

@@ -404,6 +404,57 @@ def test_surprise_beyond_gives_slots_to_surprising_words_only_when_the_callers_w
             make_policy("said", surprise_beyond=bad)
 
 
+def test_surprise_beyond_judges_each_turn_by_its_own_length():
+    """A turn is the caller's words between two of the model's tokens. Only a turn too long for ``surprise_beyond``
+    tiers gets slots by surprise; the words of the turns that fit (a fact, a question) rank above them, oldest
+    first, and several short turns are kept oldest first however many words they add up to. Why: with the
+    count over the whole chat, 3 turns of ~150 pasted words each put every tier slot on surprise, and the facts
+    of the short turns before them, decoded without surprisal, lost their place (the pasted-notes chat, dev)."""
+    def chat(turns, scored=None, **kw):
+        p = make_policy("said", prompt=True, share=0.5, surprise_beyond=1.0, **kw)
+        p.bind(SHAPE)
+        at = 0
+        for words, surprise in turns:  # each turn, then 20 of the model's own tokens
+            p.observe(Observation(positions=np.arange(at, at + words), given=np.ones(words, dtype=bool),
+                                  surprise=np.asarray(surprise, dtype=np.float64)))
+            p.observe(Observation(positions=np.arange(at + words, at + words + 20), given=np.zeros(20, dtype=bool),
+                                  surprise=np.zeros(20)))
+            at += words + 20
+        scored = np.arange(at) if scored is None else scored
+        return p, set(scored[p.score(scored) >= 2.0].tolist()), at
+
+    # a fact of 10 words (no surprisal: decoded while the chat was short), then a pasted text of 320 words with 4
+    # surprising ones deep inside, of which the newest 120 are live: 150 cells scored, a tier of 75; the text
+    # alone overflows one tier by 245, so the tier holds the fact and the text's 65 most surprising words
+    text = np.full(320, 0.5)
+    text[270:274] = 9.0
+    live = np.r_[np.arange(10), np.arange(230, 370)]
+    p, tier, n = chat([(10, np.full(10, np.nan)), (320, text)], scored=live)
+    assert n == 370 and len(tier) == 75
+    assert set(range(10)) <= tier  # the short turn's words all kept (the count over the chat gave every slot to surprise)
+    assert set(range(300, 304)) <= tier  # the surprising words of the long one
+    # two turns of 100 words: 240 cells scored, a tier of 120; neither turn is beyond one tier, so oldest first
+    # (the count over the chat, 200 words, would have put 80 slots on surprise, here the newest words)
+    _, tier, n = chat([(100, np.linspace(0.1, 1.0, 100)), (100, np.linspace(2.0, 9.0, 100))])
+    assert n == 240 and tier == set(range(100)) | set(range(120, 140))
+    # the surprisal is asked for by the turn being decoded: a new turn counts from zero, a prompt's next chunk
+    # continues its turn
+    q = make_policy("said", prompt=True, share=0.5, template_last=True, surprise_beyond=1.0)
+    q.bind(SHAPE)
+    q.observe(Observation(positions=np.arange(100), given=np.ones(100, dtype=bool)))
+    assert not q.wants_surprise(given=50, min_cells=300)  # 100 + 50: one chunk more of a prompt within a tier of 150
+    assert q.wants_surprise(given=51, min_cells=300)
+    q.observe(Observation(positions=np.arange(100, 120), given=np.zeros(20, dtype=bool)))
+    assert not q.wants_surprise(given=150, min_cells=300)  # a new turn of 150 words: the 100 before do not count
+    assert q.wants_surprise(given=151, min_cells=300)
+    assert not q.wants_surprise(given=0, min_cells=300)  # no turn beyond a tier
+    # a rewind into the first turn forgets the turn after it: its words, and that it was a turn
+    q.observe(Observation(positions=np.arange(120, 320), given=np.ones(200, dtype=bool)))
+    assert q.wants_surprise(given=0, min_cells=300) and q._turns.tolist() == [100, 200]
+    q.observe(Observation(positions=np.arange(90, 95), given=np.ones(5, dtype=bool)))
+    assert q._turns.tolist() == [95] and not q.wants_surprise(given=0, min_cells=300)
+
+
 def test_a_session_tells_the_policy_how_much_of_a_prompt_is_still_to_come(model):
     """``Observation.prompt_left``: a prompt counted against a small budget is decoded in several chunks, and each
     chunk's observation says how many of the prompt's tokens follow it, so ``surprise_beyond`` knows a long
