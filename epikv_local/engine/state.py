@@ -146,6 +146,10 @@ class _Holder:
     make: object = None
 
 
+#: the tags of an encoded value (``_Encoder.encode`` writes them, ``_Decoder.value`` reads them)
+_TAGS = frozenset({"$float", "$array", "$scalar", "$tuple", "$deque", "$dict", "$rng", "$function", "$frozen",
+                   "$object"})
+
 #: the helper classes a policy's state may hold (matched by exact class), beside Policy subclasses
 _HOLDERS = {
     PositionScores: _Holder(_check_position_scores, frozenset({"values"}), PositionScores),
@@ -317,7 +321,7 @@ class _Decoder:
             raise _Refused(where, f"is not an encoded value ({type(enc).__name__})")
         tag = next((k for k in enc if type(k) is str and k.startswith("$")), None)
         rest = {"$deque": {"maxlen"}, "$rng": {"state"}, "$frozen": {"fields"}, "$object": {"attrs"}}.get(tag, set())
-        if tag is None or set(enc) != {tag} | rest:
+        if tag not in _TAGS or set(enc) != {tag} | rest:  # (an unknown tag once reached the "$object" branch)
             raise _Refused(where, f"is not an encoded value (keys {sorted(map(str, enc))})")
         body = enc[tag]
         if tag in ("$float", "$rng", "$function", "$frozen", "$object") and type(body) is not str:

@@ -298,6 +298,9 @@ EDITS = {
                          "policy.state._scorer._n_seen"),
     "state_negative_count": (_edit(("policy", "state", "attrs", "_scorer", "attrs", "_n_seen"), -4),
                              "policy.state._scorer._n_seen"),
+    # an unknown tag (found by the fuzz test: it once reached the "$object" branch, an internal KeyError)
+    "state_unknown_tag": (_edit(("policy", "state", "attrs", "_scorer"), {"$evil": "x"}),
+                          "policy.state._scorer is not an encoded value"),
     "state_config_changed": (_edit(("policy", "state", "attrs", "_scorer", "attrs", "cfg", "fields", "window"), 7),
                              "policy.state._scorer.cfg.window"),
     "state_function_renamed": (_edit(("policy", "state", "attrs", "_scorer", "attrs", "_kernel", "$function"),

@@ -252,63 +252,39 @@ class _Chat:
         return {"choices": [{"message": {"content": "ok"}}]}
 
 
-def test_recall_multiturn_pastes_the_notes_into_the_first_prompt_only(tmp_path):
-    """--notes-tokens K: the first user message carries K tokens of the dev traces after its greeting, the
-    later turns are unchanged; without it the first message is the greeting alone."""
+def _recall_chats(tmp_path, option: str, k: int):
+    """bench_recall's multi-turn conversation of case 0 run on :class:`_Chat` without and with ``option k``: the
+    last call's messages of each, and the trace file's bytes."""
     spec = importlib.util.spec_from_file_location("_bench_recall", REPO / "scripts" / "bench_recall.py")
     br = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(br)
     data = trace_data(tmp_path)
     case = br.multiturn_cases(br.parser().parse_args(["--records", "x", "--seeds", "1"]))[0]
-    chats = {}
-    for k in (0, 40):
-        args = br.parser().parse_args(["--records", "x", "--task", "multiturn", "--data", str(data),
-                                       "--notes-tokens", str(k)])
-        chats[k] = _Chat()
-        br.run_multiturn(chats[k], case, args)
-    plain, noted = chats[0].calls[-1], chats[40].calls[-1]
+    out = []
+    for n in (0, k):
+        chat = _Chat()
+        br.run_multiturn(chat, case, br.parser().parse_args(["--records", "x", "--task", "multiturn", "--data",
+                                                             str(data), option, str(n)]))
+        out.append(chat.calls[-1])
+    return out[0], out[1], (data / "r1_traces_dev.jsonl").read_bytes()
+
+
+def test_recall_multiturn_pastes_the_notes_into_the_first_prompt_only(tmp_path):
+    """--notes-tokens K: the first user message carries K tokens of the dev traces after its greeting, the
+    later turns are unchanged; without it the first message is the greeting alone."""
+    plain, noted, trace = _recall_chats(tmp_path, "--notes-tokens", 40)
     assert plain[0]["content"] == "Hi! I will tell you a few things about me; remember them."
     head, notes = noted[0]["content"].split(":\n\n", 1)
-    assert head.startswith(plain[0]["content"]) and len(notes.encode()) == 40 and notes.encode() in \
-        (data / "r1_traces_dev.jsonl").read_bytes()
+    assert head.startswith(plain[0]["content"]) and len(notes.encode()) == 40 and notes.encode() in trace
     assert noted[1:] == plain[1:] and len(plain) == 15  # 8 user turns between 7 answers, the question last
-
-
-def test_recall_multiturn_notes_are_their_own_configuration(tmp_path):
-    """Records of one --notes-tokens never mix with another's; a negative count is one error line, exit 2."""
-    data = trace_data(tmp_path)
-    records = tmp_path / "m.jsonl"
-    d = run("bench_recall.py", "--data", data, "--task", "multiturn", "--notes-tokens", "40", "--filler-tokens", "8",
-            "--budgets", "160", "--policies", "streaming", "--seeds", "1", "--records", records,
-            "--out", tmp_path / "m.json")
-    assert set(d["settings"]) == {"full", "streaming@160"} and d["settings"]["streaming@160"]["mean_evicted"] > 0
-    assert {json.loads(x)["notes_tokens"] for x in records.read_text().splitlines()} == {40}
-    for extra, why in ((["--notes-tokens", "0"], "another configuration"), (["--notes-tokens", "-1"], "--notes-tokens")):
-        r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_recall.py"), "--data", str(data), "--task",
-                            "multiturn", "--filler-tokens", "8", "--budgets", "160", "--policies", "streaming",
-                            "--seeds", "1", "--records", str(records), *extra], capture_output=True, text=True,
-                           cwd=REPO, timeout=300)
-        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, r.stderr
 
 
 def test_recall_multiturn_pastes_notes_into_the_long_answer_turns(tmp_path):
     """--paste-tokens K: each of the turns 5-7 (the requests for long answers) carries K tokens of the dev
     traces before its request; the first prompt and the fact turns are unchanged."""
-    spec = importlib.util.spec_from_file_location("_bench_recall", REPO / "scripts" / "bench_recall.py")
-    br = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(br)
-    data = trace_data(tmp_path)
-    case = br.multiturn_cases(br.parser().parse_args(["--records", "x", "--seeds", "1"]))[0]
-    chats = {}
-    for k in (0, 30):
-        args = br.parser().parse_args(["--records", "x", "--task", "multiturn", "--data", str(data),
-                                       "--paste-tokens", str(k)])
-        chats[k] = _Chat()
-        br.run_multiturn(chats[k], case, args)
-    plain, pasted = chats[0].calls[-1], chats[30].calls[-1]
+    plain, pasted, trace = _recall_chats(tmp_path, "--paste-tokens", 30)
     users = [i for i, m in enumerate(plain) if m["role"] == "user"]
     assert len(users) == 8
-    trace = (data / "r1_traces_dev.jsonl").read_bytes()
     for n, i in enumerate(users):
         if n in (4, 5, 6):  # turns 5-7
             head, rest = pasted[i]["content"].split(":\n\n", 1)
@@ -319,22 +295,24 @@ def test_recall_multiturn_pastes_notes_into_the_long_answer_turns(tmp_path):
             assert pasted[i] == plain[i]
 
 
-def test_recall_multiturn_pasted_notes_are_their_own_configuration(tmp_path):
-    """Records of one --paste-tokens never mix with another's; a negative count, or the option with the passkey
+@pytest.mark.parametrize("option", ["--notes-tokens", "--paste-tokens"])
+def test_recall_multiturn_notes_are_their_own_configuration(tmp_path, option):
+    """Records of one count of notes never mix with another's; a negative count, or the option with the passkey
     task, is one error line, exit 2, and writes no records."""
     data = trace_data(tmp_path)
     records = tmp_path / "m.jsonl"
-    d = run("bench_recall.py", "--data", data, "--task", "multiturn", "--paste-tokens", "40", "--filler-tokens", "8",
+    d = run("bench_recall.py", "--data", data, "--task", "multiturn", option, "40", "--filler-tokens", "8",
             "--budgets", "160", "--policies", "streaming", "--seeds", "1", "--records", records,
             "--out", tmp_path / "m.json")
     assert set(d["settings"]) == {"full", "streaming@160"} and d["settings"]["streaming@160"]["mean_evicted"] > 0
-    assert {json.loads(x)["paste_tokens"] for x in records.read_text().splitlines()} == {40}
-    for task, extra, why, rec in (("multiturn", ["--paste-tokens", "0"], "another configuration", records),
-                                  ("multiturn", ["--paste-tokens", "-1"], "--paste-tokens", records),
-                                  ("passkey", ["--paste-tokens", "8"], "--paste-tokens", tmp_path / "p.jsonl")):
+    key = option[2:].replace("-", "_")
+    assert {json.loads(x)[key] for x in records.read_text().splitlines()} == {40}
+    for task, n, why, rec in (("multiturn", "0", "another configuration", records),
+                              ("multiturn", "-1", option, records),
+                              ("passkey", "8", option, tmp_path / "p.jsonl")):
         r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_recall.py"), "--data", str(data), "--task",
                             task, "--filler-tokens", "8", "--budgets", "160", "--policies", "streaming",
-                            "--seeds", "1", "--records", str(rec), *extra], capture_output=True, text=True,
+                            "--seeds", "1", "--records", str(rec), option, n], capture_output=True, text=True,
                            cwd=REPO, timeout=300)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, r.stderr
     assert not (tmp_path / "p.jsonl").exists()
