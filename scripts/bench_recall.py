@@ -137,21 +137,19 @@ def run(args) -> int:
 
     model = args.model or str(default_model_path())
     check_policies(args.policies)  # a typo is refused before any file or answer
-    if args.notes_tokens < 0 or (args.notes_tokens and args.task != "multiturn"):
-        raise ConfigError(f"--notes-tokens must be 0 or more, for --task multiturn only; got {args.notes_tokens} "
-                          f"with --task {args.task}")
-    if args.paste_tokens < 0 or (args.paste_tokens and args.task != "multiturn"):
-        raise ConfigError(f"--paste-tokens must be 0 or more, for --task multiturn only; got {args.paste_tokens} "
-                          f"with --task {args.task}")
-    if args.task == "passkey" or args.notes_tokens or args.paste_tokens:
+    notes = {k: getattr(args, k) for k in ("notes_tokens", "paste_tokens")}  # the multi-turn chat's pasted notes
+    for k, n in notes.items():
+        if n < 0 or (n and args.task != "multiturn"):
+            raise ConfigError(f"--{k.replace('_', '-')} must be 0 or more, for --task multiturn only; got {n} "
+                              f"with --task {args.task}")
+    if args.task == "passkey" or any(notes.values()):
         trace_file(args.data)  # so is a missing trace file
     records = Path(args.records)
     append_record(records, None)
     rows = read_records(records)
     config = {"model": Path(model).name, "task": args.task, "context": args.context if args.task == "passkey" else None,
               "filler_tokens": args.filler_tokens if args.task == "multiturn" else None,
-              "notes_tokens": args.notes_tokens if args.task == "multiturn" and args.notes_tokens else None,
-              "paste_tokens": args.paste_tokens if args.task == "multiturn" and args.paste_tokens else None}
+              **{k: n or None for k, n in notes.items()}}  # (refused above outside the multi-turn task)
     for r in rows:
         if {k: r.get(k) for k in config} != config:
             raise ConfigError(f"{records} holds outcomes of another configuration ({r.get('task')}, "

@@ -131,7 +131,6 @@ class SaidPolicy(Policy):
         self._turns = np.zeros(0, dtype=np.int64)  # per turn (a stretch of the tier's tokens between two of the
         # model's), the caller's words in it (evicted ones included); an int64 array, as a session file holds it
         self._turn_of = PositionScores()  # the turn of each tier position (NaN: not in the tier)
-        self._in_turn = False  # the newest position observed was the tier's: a prompt chunk continues its turn
         self._end = 0  # one past the newest position observed
         if self.template_last:  # 1.0: a chat template wrote it (Observation.template), 0.0: otherwise
             self._template = PositionScores()
@@ -150,7 +149,7 @@ class SaidPolicy(Policy):
         self._given.reset()
         if self.template_last:
             self._template.reset()
-        self._answered = self._in_turn = False
+        self._answered = False
         self._turns = np.zeros(0, dtype=np.int64)
         self._turn_of.reset()
         self._coming = self._end = 0
@@ -180,18 +179,18 @@ class SaidPolicy(Policy):
         positions = np.asarray(obs.positions, dtype=np.int64)
         if int(positions[0]) < self._end:  # a rewind: what lay at or after it is gone (a branch's words no longer count)
             self._recount(int(positions[0]))
+            self._end = int(positions[0])
+        continues = self._in_turn()
         self._end = int(positions[-1]) + 1
-        if not in_tier.any():  # the model's own token (the common case): no turn to book
-            self._turn_of.set(positions, np.full(len(positions), np.nan))
-            self._in_turn, self._coming = False, 0
+        if not in_tier.any():  # the model's own token (the common case): no turn to book, its turn stays NaN
+            self._coming = 0
             return
-        starts = in_tier & ~np.concatenate(([self._in_turn], in_tier[:-1]))  # a tier token after the model's
+        starts = in_tier & ~np.concatenate(([continues], in_tier[:-1]))  # a tier token after the model's
         turn = len(self._turns) - 1 + np.cumsum(starts)
         self._turns = np.concatenate([self._turns, np.zeros(int(np.count_nonzero(starts)), dtype=np.int64)])
         words = in_tier if template is None else in_tier & ~template
         np.add.at(self._turns, turn[words], 1)
         self._turn_of.set(positions, np.where(in_tier, turn, np.nan))
-        self._in_turn = bool(in_tier[-1])
         self._coming = int(obs.prompt_left)
 
     def score(self, positions: np.ndarray) -> np.ndarray:
@@ -239,7 +238,7 @@ class SaidPolicy(Policy):
         read: a long chat of short turns never pays it."""
         if self._order is None or self.given_order not in ("oldest", "base") or not self.surprise_beyond:
             return True
-        now = (int(self._turns[-1]) if self._in_turn and len(self._turns) else 0) + given  # the turn being decoded
+        now = (int(self._turns[-1]) if self._in_turn() and len(self._turns) else 0) + given  # the turn being decoded
         return self._beyond(max(int(self._turns.max(initial=0)), now), min_cells) > 0
 
     def _surprise_slots(self, given_positions: np.ndarray, n: int) -> tuple[int, np.ndarray]:
@@ -250,13 +249,12 @@ class SaidPolicy(Policy):
         evicted as "oldest first" before the text's length is seen) exceed ``surprise_beyond`` tiers; the slots are
         the long turns' overflow, the whole tier at most."""
         words = self._turns.astype(np.float64)
-        if len(words) and self._in_turn:
+        if len(words) and self._in_turn():
             words[-1] += self._coming
         over = np.maximum(self._beyond(words, n), 0.0)
         turn = self._turn_of.get(given_positions)
         long = np.zeros(len(given_positions), dtype=bool)
-        ok = (turn >= 0) & (turn < len(over))  # (NaN: not the tier's; a position past a rewind holds its old turn
-        # until it is decoded again)
+        ok = (turn >= 0) & (turn < len(over))  # NaN: not the tier's (and a session file's ids bounded)
         long[ok] = over[turn[ok].astype(np.int64)] > 0
         return int(min(over.sum(), round(self.share * n))), long
 
@@ -276,7 +274,13 @@ class SaidPolicy(Policy):
         known = (turn >= 0) & (turn < len(self._turns))  # NaN: not the tier's (and a session file's ids bounded)
         n_turns = int(turn[known].max()) + 1 if known.any() else 0
         self._turns = np.bincount(turn[known & words].astype(np.int64), minlength=n_turns).astype(np.int64)
-        self._in_turn = bool(end > 0 and known[end - 1])
+        self._turn_of.values[end:] = np.nan  # the dropped branch's turns: a position decoded again as the model's
+        # own keeps NaN without a write per token
+
+    def _in_turn(self) -> bool:
+        """Whether the newest position observed was the tier's (a prompt chunk that follows continues its turn)."""
+        last = self._end - 1
+        return 0 <= last < len(self._given.values) and self._given.values[last] == 1.0
 
 
 @dataclass
