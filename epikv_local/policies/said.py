@@ -180,7 +180,7 @@ class SaidPolicy(Policy):
         if int(positions[0]) < self._end:  # a rewind: what lay at or after it is gone (a branch's words no longer count)
             self._recount(int(positions[0]))
             self._end = int(positions[0])
-        continues = self._in_turn()
+        continues = self._in_turn() and len(self._turns) > 0  # (a session file's marks may disagree with its turns)
         self._end = int(positions[-1]) + 1
         if not in_tier.any():  # the model's own token (the common case): no turn to book, its turn stays NaN
             self._coming = 0

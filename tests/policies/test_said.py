@@ -455,6 +455,31 @@ def test_surprise_beyond_judges_each_turn_by_its_own_length():
     assert q._turns.tolist() == [95] and not q.wants_surprise(given=0, min_cells=300)
 
 
+@pytest.mark.parametrize("edit", [
+    {"_turns": np.array([-5, -10**12], dtype=np.int64)}, {"_turns": np.array([2**62, 3], dtype=np.int64)},
+    {"_turn_of": np.full(300, 1e18)}, {"_turn_of": np.r_[np.full(150, -3.0), np.full(150, np.inf)]},
+    {"_end": 10**9}, {"_end": -7}])
+def test_turn_state_from_a_session_file_never_breaks_the_policy(edit):
+    """Whatever values of the right types a session file gives the turn counts, the turn of each position and the
+    newest position, the policy keeps scoring, asking and observing (a rewind included) with finite scores (a
+    turn id beyond the counts, with the marks saying a turn continues, once raised an IndexError mid-decode)."""
+    p = make_policy("said", prompt=True, share=0.5, template_last=True, surprise_beyond=2.0)
+    p.bind(SHAPE)
+    p.observe(Observation(positions=np.arange(100), given=np.ones(100, dtype=bool), surprise=np.ones(100)))
+    p.observe(Observation(positions=np.arange(100, 120), given=np.zeros(20, dtype=bool), surprise=np.ones(20)))
+    for k, v in edit.items():
+        if k == "_turn_of":
+            p._turn_of.values = v
+        else:
+            setattr(p, k, v)
+    p.wants_surprise(given=10, min_cells=100)
+    assert np.isfinite(p.score(np.arange(120))).all()
+    p.observe(Observation(positions=np.arange(50, 60), given=np.ones(10, dtype=bool), surprise=np.ones(10)))
+    p.observe(Observation(positions=np.arange(60, 61), given=np.zeros(1, dtype=bool), surprise=np.ones(1)))
+    assert np.isfinite(p.score(np.arange(61))).all()
+    p.wants_surprise(given=0, min_cells=100)
+
+
 def test_a_session_tells_the_policy_how_much_of_a_prompt_is_still_to_come(model):
     """``Observation.prompt_left``: a prompt counted against a small budget is decoded in several chunks, and each
     chunk's observation says how many of the prompt's tokens follow it, so ``surprise_beyond`` knows a long
