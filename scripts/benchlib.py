@@ -114,9 +114,12 @@ def append_record(path: str | os.PathLike, record: dict | None) -> None:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
         with path.open("a", encoding="utf-8") as f:
             if record is not None:
                 f.write(json.dumps(record) + "\n")
+        if record is None and not existed:  # the check leaves no empty file behind for a run refused later
+            path.unlink()
     except OSError as e:
         raise ConfigError(f"cannot write the records file {path}: {e.strerror or e}") from None
 

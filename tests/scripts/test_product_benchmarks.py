@@ -298,7 +298,7 @@ def test_recall_multiturn_pastes_notes_into_the_long_answer_turns(tmp_path):
 @pytest.mark.parametrize("option", ["--notes-tokens", "--paste-tokens"])
 def test_recall_multiturn_notes_are_their_own_configuration(tmp_path, option):
     """Records of one count of notes never mix with another's; a negative count, or the option with the passkey
-    task, is one error line, exit 2, and writes no records."""
+    task, or more than the dev traces hold, is one error line, exit 2, and writes no records."""
     data = trace_data(tmp_path)
     records = tmp_path / "m.jsonl"
     d = run("bench_recall.py", "--data", data, "--task", "multiturn", option, "40", "--filler-tokens", "8",
@@ -309,13 +309,15 @@ def test_recall_multiturn_notes_are_their_own_configuration(tmp_path, option):
     assert {json.loads(x)[key] for x in records.read_text().splitlines()} == {40}
     for task, n, why, rec in (("multiturn", "0", "another configuration", records),
                               ("multiturn", "-1", option, records),
-                              ("passkey", "8", option, tmp_path / "p.jsonl")):
+                              ("passkey", "8", option, tmp_path / "p.jsonl"),
+                              ("multiturn", "999999", f"fewer than {option}", tmp_path / "q.jsonl")):
         r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_recall.py"), "--data", str(data), "--task",
                             task, "--filler-tokens", "8", "--budgets", "160", "--policies", "streaming",
                             "--seeds", "1", "--records", str(rec), option, n], capture_output=True, text=True,
                            cwd=REPO, timeout=300)
-        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and why in r.stderr, r.stderr
-    assert not (tmp_path / "p.jsonl").exists()
+        errors = [x for x in r.stderr.splitlines() if not x.startswith("[")]  # "[hh:mm:ss] ..." is progress
+        assert r.returncode == 2 and len(errors) == 1 and why in errors[0], r.stderr
+    assert not (tmp_path / "p.jsonl").exists() and not (tmp_path / "q.jsonl").exists()
 
 
 def test_passkey_ranks_finds_every_digit_of_each_code(tmp_path):
