@@ -180,11 +180,11 @@ class SaidPolicy(Policy):
         if int(positions[0]) < self._end:  # a rewind: what lay at or after it is gone (a branch's words no longer count)
             self._recount(int(positions[0]))
             self._end = int(positions[0])
-        continues = self._in_turn() and len(self._turns) > 0  # (a session file's marks may disagree with its turns)
-        self._end = int(positions[-1]) + 1
         if not in_tier.any():  # the model's own token (the common case): no turn to book, its turn stays NaN
-            self._coming = 0
+            self._end, self._coming = int(positions[-1]) + 1, 0
             return
+        continues = self._in_turn()  # read before this chunk moves the newest position
+        self._end = int(positions[-1]) + 1
         starts = in_tier & ~np.concatenate(([continues], in_tier[:-1]))  # a tier token after the model's
         turn = len(self._turns) - 1 + np.cumsum(starts)
         self._turns = np.concatenate([self._turns, np.zeros(int(np.count_nonzero(starts)), dtype=np.int64)])
@@ -238,7 +238,7 @@ class SaidPolicy(Policy):
         read: a long chat of short turns never pays it."""
         if self._order is None or self.given_order not in ("oldest", "base") or not self.surprise_beyond:
             return True
-        now = (int(self._turns[-1]) if self._in_turn() and len(self._turns) else 0) + given  # the turn being decoded
+        now = (int(self._turns[-1]) if self._in_turn() else 0) + given  # the turn being decoded
         return self._beyond(max(int(self._turns.max(initial=0)), now), min_cells) > 0
 
     def _surprise_slots(self, given_positions: np.ndarray, n: int) -> tuple[int, np.ndarray]:
@@ -249,7 +249,7 @@ class SaidPolicy(Policy):
         evicted as "oldest first" before the text's length is seen) exceed ``surprise_beyond`` tiers; the slots are
         the long turns' overflow, the whole tier at most."""
         words = self._turns.astype(np.float64)
-        if len(words) and self._in_turn():
+        if self._in_turn():
             words[-1] += self._coming
         over = np.maximum(self._beyond(words, n), 0.0)
         turn = self._turn_of.get(given_positions)
@@ -278,9 +278,10 @@ class SaidPolicy(Policy):
         # own keeps NaN without a write per token
 
     def _in_turn(self) -> bool:
-        """Whether the newest position observed was the tier's (a prompt chunk that follows continues its turn)."""
+        """Whether the newest position observed was the tier's (a prompt chunk that follows continues its turn);
+        False without a turn booked (a session file's marks may disagree with its turn counts)."""
         last = self._end - 1
-        return 0 <= last < len(self._given.values) and self._given.values[last] == 1.0
+        return len(self._turns) > 0 and 0 <= last < len(self._given.values) and self._given.values[last] == 1.0
 
 
 @dataclass
