@@ -9,7 +9,8 @@ counted`` counts the prompt against the budget (the papers' setting) instead of 
 default). Outcomes are appended to ``--records`` (JSONL, one line per setting and problem) as they come, so a
 run can be stopped, resumed (done pairs are skipped) and split over machines; ``--merge`` summarises records:
 per setting accuracy, mean generated tokens, the share of empty and of looping outputs, evictions, and exact
-McNemar tests with paired-bootstrap CIs against ``full`` and against ``streaming`` at the same budget.
+McNemar tests with paired-bootstrap CIs against ``full`` and against ``streaming`` at the same budget, and of
+``--against`` (the default policy) against each other policy there.
 ``--calibration FILE`` adds ``epikv_calibrated`` (EPIKV with that calibration's layers, window and recent share)
 and, when it has step 3, ``calibrated`` (the policy it selected for each budget). On ``--split dev`` records
 ``--merge`` also chooses the three budgets of the reported runs (``budget_choice``: where StreamingLLM loses
@@ -35,6 +36,7 @@ from benchlib import (ROOT, ArgParser, append_record, calibration_record, csv_of
                       provenance, read_records, records_to_merge, run_or_merge, save_json, with_calibration)
 
 from epikv_local.eval.accuracy import INSTRUCTION  # noqa: E402  (the same turn as calibrate's accuracy objective)
+from epikv_local.policies import DEFAULT_POLICY  # noqa: E402
 
 PROG = "bench_accuracy"
 
@@ -193,11 +195,16 @@ def merge(args) -> int:
         ref = f"streaming@{s['budget']}/{s['prompt']}"
         s["vs_streaming"] = compare(name, ref) if s["budget"] is not None and name != ref and ref in by else None
         s["recovered"] = recovered(by, name, ref, full) if s["vs_streaming"] and full else None
+        # the default policy head to head with each other policy at the same budget and prompt mode
+        # (one more paired test per setting, on the problems both answered)
+        mine = f"{args.against}@{s['budget']}/{s['prompt']}"
+        s["vs_against"] = (compare(mine, name) if s["budget"] is not None and name != mine and mine in by
+                           else None)
     where = records.resolve()
     doc = {**provenance("bench_accuracy.py", None),
            **{k: rows[0].get(k) for k in ("model", "task", "split", "max_tokens")},
            "records": str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else records.name,
-           "settings": summary}
+           "against": args.against, "settings": summary}
     if doc.get("split") == "dev":  # budgets are chosen on dev only; test records report them
         doc["budget_choice"] = {prompt: choose_budgets(streaming_losses(by, by.get(full, {}), prompt))
                                 for prompt in sorted({s["prompt"] for s in summary.values()})}
@@ -213,10 +220,11 @@ def merge(args) -> int:
         return f"{r['share']:+.0%} [{r['ci95'][0]:+.0%}, {r['ci95'][1]:+.0%}]"
 
     print(f"{'setting':32} {'n':>4} {'acc':>6} {'gen':>6} {'loop':>5} {'vs full (p)':>16} {'vs streaming (p)':>18} "
-          f"{'loss recovered':>22}")
+          f"{'loss recovered':>22} {args.against + ' vs it (p)':>22}")
     for name, s in summary.items():
         print(f"{name:32} {s['n']:4d} {s['accuracy']:6.1%} {s['mean_generated']:6.0f} {s['looping_share']:5.0%} "
-              f"{cell(s['vs_full']):>16} {cell(s['vs_streaming']):>18} {share(s['recovered']):>22}")
+              f"{cell(s['vs_full']):>16} {cell(s['vs_streaming']):>18} {share(s['recovered']):>22} "
+              f"{cell(s['vs_against']):>22}")
     for prompt, c in doc.get("budget_choice", {}).items():
         if c["chosen"]:
             print(f"budgets chosen on dev ({prompt} prompt): " + ", ".join(
@@ -299,6 +307,9 @@ def parser() -> ArgParser:
     p.add_argument("--records", required=True, help="JSONL of outcomes (appended; resumable)")
     p.add_argument("--out", help="the summary JSON (also written after a run)")
     p.add_argument("--merge", action="store_true", help="summarise --records only")
+    p.add_argument("--against", default=DEFAULT_POLICY,
+                   help="the merge also compares this policy with every other one at the same budget and prompt "
+                        f"mode, paired (vs_against; default: the product's default, {DEFAULT_POLICY})")
     return p
 
 

@@ -202,6 +202,32 @@ def test_accuracy_merge_reports_the_share_of_streamings_loss_recovered(tmp_path)
     assert s["streaming@192/counted"]["recovered"] is None and s["full/counted"]["recovered"] is None
 
 
+def test_accuracy_merge_compares_the_default_with_each_policy_at_its_budget(tmp_path):
+    """--merge also pairs the default policy (or --against's) with every other setting at the same budget and
+    prompt mode: the difference is the default's accuracy minus the other's, on the problems both answered."""
+    base = {"model": "m.gguf", "task": "gsm8k", "split": "test", "max_tokens": 48, "empty": False,
+            "looping": False, "n_generated": 10, "n_evicted": 0, "finish_reason": "stop", "prompt": "counted"}
+    right_of = {("full", None): 40, ("streaming", 192): 10, ("said_words_deep", 192): 30, ("lagkv", 192): 20,
+                ("lagkv", 160): 5, ("streaming", 160): 6}
+    records, out = tmp_path / "r.jsonl", tmp_path / "r.json"
+    records.write_text("".join(
+        json.dumps({**base, "setting": "full/counted" if budget is None else f"{policy}@{budget}/counted",
+                    "policy": policy, "budget": budget, "id": f"p{i}", "correct": i < n}) + "\n"
+        for (policy, budget), n in right_of.items() for i in range(60)))
+    r = run("bench_accuracy.py", "--merge", "--records", records, "--out", out)
+    s = r["settings"]
+    assert r["against"] == "said_words_deep"
+    assert s["lagkv@192/counted"]["vs_against"]["difference"] == pytest.approx(10 / 60)
+    assert s["lagkv@192/counted"]["vs_against"]["n"] == 60
+    assert s["streaming@192/counted"]["vs_against"]["difference"] == pytest.approx(20 / 60)
+    assert s["said_words_deep@192/counted"]["vs_against"] is None  # not with itself
+    assert s["lagkv@160/counted"]["vs_against"] is None  # the default did not run at 160
+    assert s["full/counted"]["vs_against"] is None
+    s = run("bench_accuracy.py", "--merge", "--records", records, "--out", out, "--against", "lagkv")["settings"]
+    assert s["streaming@160/counted"]["vs_against"]["difference"] == pytest.approx(-1 / 60)
+    assert s["lagkv@192/counted"]["vs_against"] is None
+
+
 def test_accuracy_merge_writes_strict_json_when_streaming_loses_nothing(tmp_path):
     """Nothing to recover (StreamingLLM as right as the full cache): the figure is undefined and the result file
     says null, not NaN, which strict JSON readers refuse."""
