@@ -168,6 +168,10 @@ def merge(args) -> int:
     by: dict[str, dict[str, dict]] = {}
     for r in rows:
         by.setdefault(r["setting"], {})[r["id"]] = r
+    against = args.against or DEFAULT_POLICY
+    if args.against and not any(r["policy"] == against for r in rows):  # a misspelt name must not compare nothing
+        from epikv_local.errors import ConfigError
+        raise ConfigError(f"--against {against}: no outcomes of that policy in {records}")
     summary = {}
     for name, recs in sorted(by.items()):
         n = len(recs)
@@ -197,14 +201,14 @@ def merge(args) -> int:
         s["recovered"] = recovered(by, name, ref, full) if s["vs_streaming"] and full else None
         # the default policy head to head with each other policy at the same budget and prompt mode
         # (one more paired test per setting, on the problems both answered)
-        mine = f"{args.against}@{s['budget']}/{s['prompt']}"
+        mine = f"{against}@{s['budget']}/{s['prompt']}"
         s["vs_against"] = (compare(mine, name) if s["budget"] is not None and name != mine and mine in by
                            else None)
     where = records.resolve()
     doc = {**provenance("bench_accuracy.py", None),
            **{k: rows[0].get(k) for k in ("model", "task", "split", "max_tokens")},
            "records": str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else records.name,
-           "against": args.against, "settings": summary}
+           "against": against, "settings": summary}
     if doc.get("split") == "dev":  # budgets are chosen on dev only; test records report them
         doc["budget_choice"] = {prompt: choose_budgets(streaming_losses(by, by.get(full, {}), prompt))
                                 for prompt in sorted({s["prompt"] for s in summary.values()})}
@@ -220,7 +224,7 @@ def merge(args) -> int:
         return f"{r['share']:+.0%} [{r['ci95'][0]:+.0%}, {r['ci95'][1]:+.0%}]"
 
     print(f"{'setting':32} {'n':>4} {'acc':>6} {'gen':>6} {'loop':>5} {'vs full (p)':>16} {'vs streaming (p)':>18} "
-          f"{'loss recovered':>22} {args.against + ' vs it (p)':>22}")
+          f"{'loss recovered':>22} {against + ' vs it (p)':>22}")
     for name, s in summary.items():
         print(f"{name:32} {s['n']:4d} {s['accuracy']:6.1%} {s['mean_generated']:6.0f} {s['looping_share']:5.0%} "
               f"{cell(s['vs_full']):>16} {cell(s['vs_streaming']):>18} {share(s['recovered']):>22} "
@@ -307,9 +311,9 @@ def parser() -> ArgParser:
     p.add_argument("--records", required=True, help="JSONL of outcomes (appended; resumable)")
     p.add_argument("--out", help="the summary JSON (also written after a run)")
     p.add_argument("--merge", action="store_true", help="summarise --records only")
-    p.add_argument("--against", default=DEFAULT_POLICY,
-                   help="the merge also compares this policy with every other one at the same budget and prompt "
-                        f"mode, paired (vs_against; default: the product's default, {DEFAULT_POLICY})")
+    p.add_argument("--against", help="the merge also compares this policy with every other one at the same budget "
+                                      f"and prompt mode, paired (vs_against; default: the product's default, "
+                                      f"{DEFAULT_POLICY}, where it ran)")
     return p
 
 

@@ -226,6 +226,12 @@ def test_accuracy_merge_compares_the_default_with_each_policy_at_its_budget(tmp_
     s = run("bench_accuracy.py", "--merge", "--records", records, "--out", out, "--against", "lagkv")["settings"]
     assert s["streaming@160/counted"]["vs_against"]["difference"] == pytest.approx(-1 / 60)
     assert s["lagkv@192/counted"]["vs_against"] is None
+    before = out.read_bytes()
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_accuracy.py"), "--merge", "--records",
+                        str(records), "--out", str(out), "--against", "lagvk"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)  # a misspelt policy: one line, not a summary that compares nothing
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "lagvk" in r.stderr, r.stderr
+    assert out.read_bytes() == before
 
 
 def test_accuracy_merge_writes_strict_json_when_streaming_loses_nothing(tmp_path):
