@@ -183,17 +183,22 @@ def test_accuracy_merge_chooses_three_budgets_on_dev_records(tmp_path):
     assert d["budget_choice"]["counted"]["chosen"] == [] and "3 are needed" in d["budget_choice"]["counted"]["why"]
 
 
+def write_outcomes(path: Path, right_of: dict, n: int) -> None:
+    """Test-split GSM8K records: for each (policy, budget) of ``right_of`` (budget None: the full cache), problems
+    p0..p{n-1} with the first ``right_of[...]`` of them right."""
+    base = {"model": "m.gguf", "task": "gsm8k", "split": "test", "max_tokens": 48, "empty": False,
+            "looping": False, "n_generated": 10, "n_evicted": 0, "finish_reason": "stop", "prompt": "counted"}
+    path.write_text("".join(
+        json.dumps({**base, "setting": "full/counted" if budget is None else f"{policy}@{budget}/counted",
+                    "policy": policy, "budget": budget, "id": f"p{i}", "correct": i < right}) + "\n"
+        for (policy, budget), right in right_of.items() for i in range(n)))
+
+
 def test_accuracy_merge_reports_the_share_of_streamings_loss_recovered(tmp_path):
     """--merge gives each policy setting issue 21's goal figure: the share of StreamingLLM's loss (same budget and
     prompt mode) it wins back, its CI, and whether the goal is met (half, with the paired CI above zero)."""
-    base = {"model": "m.gguf", "task": "gsm8k", "split": "test", "max_tokens": 48, "empty": False,
-            "looping": False, "n_generated": 10, "n_evicted": 0, "finish_reason": "stop", "prompt": "counted"}
-    right_of = {("full", None): 40, ("streaming", 192): 10, ("epikv", 192): 25, ("said", 192): 12}
     records, out = tmp_path / "r.jsonl", tmp_path / "r.json"
-    records.write_text("".join(
-        json.dumps({**base, "setting": "full/counted" if budget is None else f"{policy}@{budget}/counted",
-                    "policy": policy, "budget": budget, "id": f"p{i}", "correct": i < n}) + "\n"
-        for (policy, budget), n in right_of.items() for i in range(60)))
+    write_outcomes(records, {("full", None): 40, ("streaming", 192): 10, ("epikv", 192): 25, ("said", 192): 12}, 60)
     s = run("bench_accuracy.py", "--merge", "--records", records, "--out", out)["settings"]
     assert s["epikv@192/counted"]["recovered"]["share"] == pytest.approx(0.5)
     assert s["epikv@192/counted"]["recovered"]["goal_met"] is True
@@ -205,15 +210,9 @@ def test_accuracy_merge_reports_the_share_of_streamings_loss_recovered(tmp_path)
 def test_accuracy_merge_compares_the_default_with_each_policy_at_its_budget(tmp_path):
     """--merge also pairs the default policy (or --against's) with every other setting at the same budget and
     prompt mode: the difference is the default's accuracy minus the other's, on the problems both answered."""
-    base = {"model": "m.gguf", "task": "gsm8k", "split": "test", "max_tokens": 48, "empty": False,
-            "looping": False, "n_generated": 10, "n_evicted": 0, "finish_reason": "stop", "prompt": "counted"}
-    right_of = {("full", None): 40, ("streaming", 192): 10, ("said_words_deep", 192): 30, ("lagkv", 192): 20,
-                ("lagkv", 160): 5, ("streaming", 160): 6}
     records, out = tmp_path / "r.jsonl", tmp_path / "r.json"
-    records.write_text("".join(
-        json.dumps({**base, "setting": "full/counted" if budget is None else f"{policy}@{budget}/counted",
-                    "policy": policy, "budget": budget, "id": f"p{i}", "correct": i < n}) + "\n"
-        for (policy, budget), n in right_of.items() for i in range(60)))
+    write_outcomes(records, {("full", None): 40, ("streaming", 192): 10, ("said_words_deep", 192): 30,
+                             ("lagkv", 192): 20, ("lagkv", 160): 5, ("streaming", 160): 6}, 60)
     r = run("bench_accuracy.py", "--merge", "--records", records, "--out", out)
     s = r["settings"]
     assert r["against"] == "said_words_deep"
@@ -237,13 +236,8 @@ def test_accuracy_merge_compares_the_default_with_each_policy_at_its_budget(tmp_
 def test_accuracy_merge_writes_strict_json_when_streaming_loses_nothing(tmp_path):
     """Nothing to recover (StreamingLLM as right as the full cache): the figure is undefined and the result file
     says null, not NaN, which strict JSON readers refuse."""
-    base = {"model": "m.gguf", "task": "gsm8k", "split": "test", "max_tokens": 48, "empty": False,
-            "looping": False, "n_generated": 10, "n_evicted": 0, "finish_reason": "stop", "prompt": "counted"}
     records, out = tmp_path / "r.jsonl", tmp_path / "r.json"
-    records.write_text("".join(
-        json.dumps({**base, "setting": "full/counted" if budget is None else f"{policy}@{budget}/counted",
-                    "policy": policy, "budget": budget, "id": f"p{i}", "correct": i < 5}) + "\n"
-        for policy, budget in (("full", None), ("streaming", 384), ("epikv", 384)) for i in range(10)))
+    write_outcomes(records, {("full", None): 5, ("streaming", 384): 5, ("epikv", 384): 5}, 10)
     run("bench_accuracy.py", "--merge", "--records", records, "--out", out)
     text = out.read_text()
     assert "NaN" not in text
