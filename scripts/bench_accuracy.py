@@ -168,8 +168,8 @@ def merge(args) -> int:
     by: dict[str, dict[str, dict]] = {}
     for r in rows:
         by.setdefault(r["setting"], {})[r["id"]] = r
-    against = args.against or DEFAULT_POLICY
-    if args.against and not any(r["policy"] == against for r in rows):  # a misspelt name must not compare nothing
+    against = DEFAULT_POLICY if args.against is None else args.against
+    if args.against is not None and not any(r["policy"] == against for r in rows):  # a misspelt name must not compare nothing
         from epikv_local.errors import ConfigError
         raise ConfigError(f"--against {against}: no outcomes of that policy in {records}")
     summary = {}
