@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (ROOT, ArgParser, append_record, calibration_record, csv_of, log,  # noqa: E402
                       provenance, read_records, records_to_merge, run_or_merge, save_json, with_calibration)
 
+from epikv_local.errors import ConfigError  # noqa: E402
 from epikv_local.eval.accuracy import INSTRUCTION  # noqa: E402  (the same turn as calibrate's accuracy objective)
 from epikv_local.policies import DEFAULT_POLICY  # noqa: E402
 
@@ -43,7 +44,6 @@ PROG = "bench_accuracy"
 
 def load_problems(data: Path, task: str, split: str, levels: list[int], offset: int, limit: int | None) -> list[dict]:
     """[{"id", "question", "gold", "numeric"}] of the task, in file order."""
-    from epikv_local.errors import ConfigError
 
     if task == "gsm8k":
         path = data / "gsm8k_test.jsonl"
@@ -60,7 +60,6 @@ def load_problems(data: Path, task: str, split: str, levels: list[int], offset: 
 
 
 def _jsonl(path: Path) -> list[dict]:
-    from epikv_local.errors import ConfigError
 
     if not path.exists():
         raise ConfigError(f"{path} not found (--data names the folder of the shared evaluation data)")
@@ -80,7 +79,6 @@ def settings_of(policies: list[str], budgets: list[int], with_full: bool,
 def check_same_run(rows: list[dict], config: dict, records: Path) -> None:
     """ConfigError when ``records`` holds outcomes of another configuration (model, task, max_tokens, ...):
     a resumed run must not mix them."""
-    from epikv_local.errors import ConfigError
 
     for r in rows:
         other = {k: r.get(k) for k in config}
@@ -93,7 +91,6 @@ def check_same_run(rows: list[dict], config: dict, records: Path) -> None:
 def run(args) -> int:
     from epikv_local.api.llama import Llama
     from epikv_local.policies import policy_spec
-    from epikv_local.errors import ConfigError
     from epikv_local.eval.accuracy import grade
     from epikv_local.eval.specs import check_policies, llama_policy_args
 
@@ -170,7 +167,6 @@ def merge(args) -> int:
         by.setdefault(r["setting"], {})[r["id"]] = r
     against = DEFAULT_POLICY if args.against is None else args.against
     if args.against is not None and not any(r["policy"] == against for r in rows):  # a misspelt name must not compare nothing
-        from epikv_local.errors import ConfigError
         raise ConfigError(f"--against {against}: no outcomes of that policy in {records}")
     summary = {}
     for name, recs in sorted(by.items()):
