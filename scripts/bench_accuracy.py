@@ -44,7 +44,6 @@ PROG = "bench_accuracy"
 
 def load_problems(data: Path, task: str, split: str, levels: list[int], offset: int, limit: int | None) -> list[dict]:
     """[{"id", "question", "gold", "numeric"}] of the task, in file order."""
-
     if task == "gsm8k":
         path = data / "gsm8k_test.jsonl"
         rows = [r for r in _jsonl(path) if r["split"] == split]
@@ -60,7 +59,6 @@ def load_problems(data: Path, task: str, split: str, levels: list[int], offset: 
 
 
 def _jsonl(path: Path) -> list[dict]:
-
     if not path.exists():
         raise ConfigError(f"{path} not found (--data names the folder of the shared evaluation data)")
     return [json.loads(line) for line in path.open(encoding="utf-8") if line.strip()]
@@ -79,7 +77,6 @@ def settings_of(policies: list[str], budgets: list[int], with_full: bool,
 def check_same_run(rows: list[dict], config: dict, records: Path) -> None:
     """ConfigError when ``records`` holds outcomes of another configuration (model, task, max_tokens, ...):
     a resumed run must not mix them."""
-
     for r in rows:
         other = {k: r.get(k) for k in config}
         if other != config:
