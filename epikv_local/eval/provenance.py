@@ -23,8 +23,22 @@ from pathlib import Path
 from ..errors import DataError
 from ..fileio import sha256_bytes
 
-#: the source tree this package was imported from (the git checkout whose revision a result names)
-REPO = Path(__file__).resolve().parents[2]
+def _checkout() -> Path:
+    """The source checkout whose revision a result names and beside which ``../shared/data`` lies: the folder
+    above this package when it is imported from a checkout; else the working folder when that is a checkout's
+    root (the README's ``.venv/bin/epikv-local`` runs the installed copy of the package, from the repository);
+    else the folder above the installed package (no checkout: the packaged data are used)."""
+    here = Path(__file__).resolve().parents[2]
+    if (here / "pyproject.toml").is_file():
+        return here
+    cwd = Path.cwd()
+    if (cwd / "pyproject.toml").is_file() and (cwd / "epikv_local").is_dir():
+        return cwd
+    return here
+
+
+#: the source tree of this run (see :func:`_checkout`)
+REPO = _checkout()
 #: bytes of the model file hashed for its fingerprint (a whole GGUF takes too long to hash per run)
 FINGERPRINT_BYTES = 1 << 20
 

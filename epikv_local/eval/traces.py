@@ -7,6 +7,7 @@ from pathlib import Path
 from ..engine.handles import Model
 from ..errors import ConfigError, DataError
 from .io import read_jsonl
+from .provenance import REPO
 
 
 def trace_text(record: dict) -> str:
@@ -55,6 +56,7 @@ PACKAGED_DEV_TRACES = Path(__file__).resolve().parent / "data" / "dev_traces.jso
 
 def default_dev_traces() -> Path:
     """The dev split beside a source checkout (``../shared/data/r1_traces_dev.jsonl``), else the few dev
-    traces shipped with the package."""
-    p = Path(__file__).resolve().parents[3] / "shared" / "data" / "r1_traces_dev.jsonl"
+    traces shipped with the package. The checkout is :data:`.provenance.REPO`: the installed package run from
+    the repository's root finds the dev split as a source checkout does."""
+    p = REPO.parent / "shared" / "data" / "r1_traces_dev.jsonl"
     return p if p.is_file() else PACKAGED_DEV_TRACES

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from epikv_local.api.calibration import CalibrationResult, load_file, resolve_policy
 from epikv_local.policies import ModelShape
@@ -237,3 +238,30 @@ def test_calibrate_from_an_installed_package_without_shared_data(model_path, tmp
     used = Path(r.stdout.splitlines()[0])
     assert used.name == "dev_traces.jsonl" and "site-packages" in str(used)
     assert json.loads((tmp_path / "cal.json").read_text())["traces"] == str(used)
+
+
+def test_installed_package_run_from_the_checkout_finds_the_checkout(tmp_path):
+    """The README's ``.venv/bin/epikv-local`` runs the installed copy of the package: run from the repository's
+    root, it names this checkout in results and reads the dev split beside it, as the source tree does (it read
+    the packaged traces before)."""
+    from epikv_local.eval import provenance
+
+    checkout = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import epikv_local, epikv_local.eval.provenance as p, epikv_local.eval.traces as t;"
+            "print(epikv_local.__file__); print(p.REPO); print(t.default_dev_traces())")
+    # -I: no working folder on sys.path, so the installed copy is imported, as by the console script
+    r = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                       cwd=checkout)
+    assert r.returncode == 0, r.stderr
+    imported, repo, traces = r.stdout.splitlines()
+    if Path(imported).resolve().parent == checkout / "epikv_local":
+        pytest.skip("the package is installed in editable mode: the source tree itself is imported")
+    assert Path(repo) == checkout == provenance.REPO
+    split = checkout.parent / "shared" / "data" / "r1_traces_dev.jsonl"
+    assert Path(traces) == (split if split.is_file() else Path(imported).parent / "eval" / "data" / "dev_traces.jsonl")
+    r = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                       cwd=tmp_path)  # not a checkout: the installed package's own folder, the packaged traces
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.splitlines()[1]) != checkout
+    assert r.stdout.splitlines()[2].endswith("dev_traces.jsonl") and "site-packages" in r.stdout.splitlines()[2]
