@@ -250,18 +250,21 @@ def test_installed_package_run_from_the_checkout_finds_the_checkout(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = ("import epikv_local, epikv_local.eval.provenance as p, epikv_local.eval.traces as t;"
             "print(epikv_local.__file__); print(p.REPO); print(t.default_dev_traces())")
-    # -I: no working folder on sys.path, so the installed copy is imported, as by the console script
-    r = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60, env=env,
-                       cwd=checkout)
-    assert r.returncode == 0, r.stderr
-    imported, repo, traces = r.stdout.splitlines()
+
+    def installed_from(cwd: Path) -> list[str]:
+        """(package file, REPO, default dev traces) of the installed copy run from ``cwd``; ``-I`` keeps the
+        working folder off sys.path, so the installed copy is imported, as by the console script."""
+        r = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                           cwd=cwd)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    imported, repo, traces = installed_from(checkout)
     if Path(imported).resolve().parent == checkout / "epikv_local":
         pytest.skip("the package is installed in editable mode: the source tree itself is imported")
     assert Path(repo) == checkout == provenance.REPO
     split = checkout.parent / "shared" / "data" / "r1_traces_dev.jsonl"
     assert Path(traces) == (split if split.is_file() else Path(imported).parent / "eval" / "data" / "dev_traces.jsonl")
-    r = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60, env=env,
-                       cwd=tmp_path)  # not a checkout: the installed package's own folder, the packaged traces
-    assert r.returncode == 0, r.stderr
-    assert Path(r.stdout.splitlines()[1]) != checkout
-    assert r.stdout.splitlines()[2].endswith("dev_traces.jsonl") and "site-packages" in r.stdout.splitlines()[2]
+    _, repo, traces = installed_from(tmp_path)  # not a checkout: the installed package's own folder, packaged traces
+    assert Path(repo) != checkout
+    assert traces.endswith("dev_traces.jsonl") and "site-packages" in traces
