@@ -31,7 +31,10 @@ def _checkout() -> Path:
     here = Path(__file__).resolve().parents[2]
     if (here / "pyproject.toml").is_file():
         return here
-    cwd = Path.cwd()
+    try:
+        cwd = Path.cwd()
+    except OSError:  # the working folder was deleted: no checkout to name
+        return here
     if (cwd / "pyproject.toml").is_file() and (cwd / "epikv_local").is_dir():
         return cwd
     return here
