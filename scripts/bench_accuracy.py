@@ -12,7 +12,8 @@ per setting accuracy, mean generated tokens, the share of empty and of looping o
 McNemar tests with paired-bootstrap CIs against ``full`` and against ``streaming`` at the same budget, and of
 ``--against`` (the default policy) against each other policy there.
 ``--calibration FILE`` adds ``epikv_calibrated`` (EPIKV with that calibration's layers, window and recent share)
-and, when it has step 3, ``calibrated`` (the policy it selected for each budget). On ``--split dev`` records
+and, when it has step 3, ``calibrated`` (the policy it selected for each budget); ``--calibration-runs calibrated``
+runs only the latter. On ``--split dev`` records
 ``--merge`` also chooses the three budgets of the reported runs (``budget_choice``: where StreamingLLM loses
 nearest 75 %, 50 % and 25 % of the full cache's right answers).
 
@@ -32,8 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (ROOT, ArgParser, append_record, calibration_record, csv_of, log,  # noqa: E402
-                      provenance, read_records, records_to_merge, run_or_merge, save_json, with_calibration)
+from benchlib import (ROOT, ArgParser, add_calibration_args, append_record, calibration_record, csv_of,  # noqa: E402
+                      log, provenance, read_records, records_to_merge, run_or_merge, save_json, with_calibration)
 
 from epikv_local.errors import ConfigError  # noqa: E402
 from epikv_local.eval.accuracy import INSTRUCTION  # noqa: E402  (the same turn as calibrate's accuracy objective)
@@ -175,7 +176,8 @@ def merge(args) -> int:
                          "looping_share": sum(r["looping"] for r in rs) / n,
                          "mean_evicted": sum(r["n_evicted"] for r in rs) / n,
                          "cut_off_share": sum(r["finish_reason"] == "length" for r in rs) / n,
-                         "policy": rs[0]["policy"], "budget": rs[0]["budget"], "prompt": rs[0]["prompt"]}
+                         "policy": rs[0]["policy"], "budget": rs[0]["budget"], "prompt": rs[0]["prompt"],
+                         **({"calibration": rs[0]["calibration"]} if rs[0].get("calibration") else {})}
 
     def compare(a: str, b: str) -> dict | None:
         ids = sorted(set(by.get(a, {})) & set(by.get(b, {})))
@@ -286,8 +288,7 @@ def parser() -> ArgParser:
     p.add_argument("--offset", type=int, default=0, help="skip the first N problems of the split")
     p.add_argument("--limit", type=int, default=None, help="at most N problems")
     p.add_argument("--policies", type=csv_of(str, "--policies"), default=["streaming", "epikv"])
-    p.add_argument("--calibration", help="also run 'epikv_calibrated' and (with step 3) 'calibrated' from this "
-                                         "calibration JSON ('auto': the model's cached calibration)")
+    add_calibration_args(p)
     p.add_argument("--budgets", type=csv_of(int, "--budgets"), default=[192])
     p.add_argument("--prompt", choices=["protected", "counted"], default="protected",
                    help="protected: the prompt is kept outside the eviction (the product's default); counted: it "

@@ -34,8 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from epikv_local.errors import DataError  # noqa: E402
-from benchlib import (ROOT, ArgParser, append_record, calibration_record, csv_of, log,  # noqa: E402
-                      provenance, read_records, records_to_merge, run_or_merge, save_json, with_calibration)
+from benchlib import (ROOT, ArgParser, add_calibration_args, append_record, calibration_record, csv_of,  # noqa: E402
+                      log, provenance, read_records, records_to_merge, run_or_merge, save_json, with_calibration)
 
 PROG = "bench_recall"
 FACTS = [("code", "My locker code is {v}.", "What is my locker code? Answer with the code only.",
@@ -199,7 +199,8 @@ def merge(args) -> int:
     for name, recs in sorted(by.items()):
         rs = list(recs.values())
         s = {"n": len(rs), "accuracy": sum(r["correct"] for r in rs) / len(rs), "budget": rs[0]["budget"],
-             "policy": rs[0]["policy"], "mean_evicted": sum(r["n_evicted"] for r in rs) / len(rs)}
+             "policy": rs[0]["policy"], "mean_evicted": sum(r["n_evicted"] for r in rs) / len(rs),
+             **({"calibration": rs[0]["calibration"]} if rs[0].get("calibration") else {})}
         if rs[0]["task"] == "passkey":
             depths = sorted({r["depth"] for r in rs})
             s["by_depth"] = {f"{d:.2f}": sum(r["correct"] for r in rs if r["depth"] == d) /
@@ -231,8 +232,7 @@ def parser() -> ArgParser:
     p.add_argument("-m", "--model", help="GGUF model (default: the default model)")
     p.add_argument("--task", choices=["passkey", "multiturn"], default="passkey")
     p.add_argument("--policies", type=csv_of(str, "--policies"), default=["streaming", "epikv"])
-    p.add_argument("--calibration", help="also run 'epikv_calibrated' and (with step 3) 'calibrated' from this "
-                                         "calibration JSON ('auto': the model's cached calibration)")
+    add_calibration_args(p)
     p.add_argument("--budgets", type=csv_of(int, "--budgets"), default=[256])
     p.add_argument("--context", type=int, default=1024, help="passkey: tokens of context (>= 4 x the budget)")
     p.add_argument("--depths", type=csv_of(float, "--depths"), default=[0.1, 0.3, 0.5, 0.7, 0.9])

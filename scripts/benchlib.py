@@ -136,21 +136,39 @@ def csv_of(kind, what: str):
 
 def with_calibration(args, model: str, rows: list[dict], records: Path) -> tuple[list[str], object, str | None]:
     """``--calibration FILE|auto`` of an answer benchmark: (the policies to run: ``args.policies`` plus
-    ``epikv_calibrated`` and, with step 3, ``calibrated``; the loaded calibration or None; its file name).
-    ConfigError when ``records`` (read as ``rows``) holds runs of another calibration."""
+    ``epikv_calibrated`` and, with step 3, ``calibrated``, or only those ``--calibration-runs`` names; the loaded
+    calibration or None; its file name). ConfigError when ``records`` (read as ``rows``) holds one of these runs
+    of another calibration (a setting's outcomes come from one calibration), or for a run it cannot give."""
     from epikv_local.eval.specs import CALIBRATED, SELECTED, load_calibration_arg
 
     policies = list(args.policies)
+    runs = getattr(args, "calibration_runs", None)
+    if runs and not args.calibration:
+        raise ConfigError("--calibration-runs needs --calibration FILE|auto")
+    for x in runs or []:
+        if x not in (CALIBRATED, SELECTED):
+            raise ConfigError(f"--calibration-runs: unknown run {x!r}; choose from {CALIBRATED}, {SELECTED}")
     if not args.calibration:
         return policies, None, None
     cal = load_calibration_arg(args.calibration, Path(model))
     name = Path(cal.path).name
-    policies += [x for x in [CALIBRATED] + ([SELECTED] if cal.selected is not None else []) if x not in policies]
-    for r in rows:  # a resumed run adds to the same calibration's outcomes only
-        if r.get("calibration") not in (None, name):
-            raise ConfigError(f"{records} holds runs of calibration {r['calibration']!r}, not {name!r}: "
-                              "use another --records file")
+    if runs and SELECTED in runs and cal.selected is None:
+        raise ConfigError(f"--calibration-runs {SELECTED}: {name} has no step 3 (no per-budget choice)")
+    wanted = runs or [CALIBRATED] + ([SELECTED] if cal.selected is not None else [])
+    policies += [x for x in wanted if x not in policies]
+    for r in rows:  # a resumed run adds to the same calibration's outcomes only, run by run
+        if r.get("calibration") not in (None, name) and r.get("policy") in wanted:
+            raise ConfigError(f"{records} holds {r['policy']} runs of calibration {r['calibration']!r}, not "
+                              f"{name!r}: use another --records file or --calibration-runs")
     return policies, cal, name
+
+
+def add_calibration_args(p) -> None:
+    """``--calibration`` and ``--calibration-runs`` of an answer benchmark (read by :func:`with_calibration`)."""
+    p.add_argument("--calibration", help="also run 'epikv_calibrated' and (with step 3) 'calibrated' from this "
+                                         "calibration JSON ('auto': the model's cached calibration)")
+    p.add_argument("--calibration-runs", type=csv_of(str, "--calibration-runs"), default=None,
+                   help="only these of the calibration's runs (epikv_calibrated, calibrated; default: both)")
 
 
 def calibration_record(how: dict, cal_name: str | None) -> dict:

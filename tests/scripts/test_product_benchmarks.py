@@ -146,6 +146,42 @@ def test_accuracy_bench_runs_a_calibrations_policies(tmp_path):
     assert recs["epikv_calibrated@96"]["n_evicted"] > 0
 
 
+def test_accuracy_bench_runs_only_the_calibration_runs_asked_for(tmp_path):
+    """--calibration-runs calibrated runs step 3's choice without epikv_calibrated, beside the records of another
+    calibration's epikv_calibrated runs (a setting's outcomes still come from one calibration; the merge names
+    each setting's calibration); a run it cannot give, or the option without --calibration, is one line, exit 2."""
+    cal = next((REPO / "epikv_local" / "calibrations").glob("*.json"))  # the default model's, with step 3
+    data = _tiny_gsm8k(tmp_path)
+    records, out = tmp_path / "r.jsonl", tmp_path / "a.json"
+    from epikv_local.api.models import default_model_path
+
+    records.write_text(json.dumps({"model": default_model_path().name, "task": "gsm8k", "split": "dev",
+                                   "max_tokens": 24, "setting": "epikv_calibrated@512/protected",
+                                   "policy": "epikv_calibrated", "budget": 512, "prompt": "protected", "id": "x",
+                                   "correct": False, "empty": False, "looping": False, "n_generated": 3,
+                                   "n_evicted": 0, "finish_reason": "stop", "calibration": "older.json"}) + "\n")
+    base = ["--data", data, "--policies", "streaming", "--budgets", "512", "--limit", "1", "--max-tokens", "24",
+            "--no-full", "--calibration", cal, "--records", records]
+    d = run("bench_accuracy.py", *base, "--calibration-runs", "calibrated", "--out", out)
+    assert set(d["settings"]) == {"streaming@512/protected", "epikv_calibrated@512/protected",
+                                  "calibrated@512/protected"}
+    assert d["settings"]["calibrated@512/protected"]["calibration"] == cal.name
+    assert d["settings"]["epikv_calibrated@512/protected"]["calibration"] == "older.json"
+    assert "calibration" not in d["settings"]["streaming@512/protected"]
+    ran = [json.loads(x)["setting"] for x in records.read_text().splitlines()]
+    assert ran.count("epikv_calibrated@512/protected") == 1  # the older calibration's record only
+    for extra, word in ((["--calibration-runs", "epikv_calibrated"], "older.json"),  # that setting is another's
+                        (["--calibration-runs", "calibratd"], "calibratd")):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_accuracy.py"), *map(str, base), *extra],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and word in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_accuracy.py"), "--data", str(data),
+                        "--calibration-runs", "calibrated", "--records", str(tmp_path / "n.jsonl")],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--calibration" in r.stderr, r.stderr
+    assert not (tmp_path / "n.jsonl").exists()
+
+
 def test_accuracy_merge_chooses_three_budgets_on_dev_records(tmp_path):
     """On dev records, --merge picks the ascending budget triple whose StreamingLLM losses (share of the full
     cache's right answers lost) lie nearest 75 % / 50 % / 25 %; on test records it chooses nothing."""
