@@ -58,6 +58,7 @@ from .fidelity import StreamingComparison
 from .passes import PassJob, reference_passes, run_passes
 from .labels import LabelSettings, label_trace, labels_by_trace, read_labels, run_labels
 from .progress import progress_bar
+from .provenance import portable
 from .signals import collect_query_stats, select_policy
 from .stats import signal_stats
 from .traces import load_traces
@@ -297,7 +298,7 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
     doc = {
         "version": CALIBRATION_VERSION, "model_sha256": sha, "model_file": model_path.name, "arch": arch,
         "n_layer": n_layer, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "traces": str(traces_path), "trace_ids": [t for t, _ in traces],
+        "traces": portable(str(traces_path)), "trace_ids": [t for t, _ in traces],
         "chosen": {k: best[k] for k in ("layer_a", "layer_b", "window", "recent_fraction")},
         "objective": "accuracy" if accuracy is not None else "delta_nll", "accuracy": acc_record,
         "chosen_delta_nll": best["delta_nll"], "baseline": results[_key(base_cfg, DEFAULT_RECENT_FRACTION)],
