@@ -142,7 +142,7 @@ def with_calibration(args, model: str, rows: list[dict], records: Path) -> tuple
     from epikv_local.eval.specs import CALIBRATED, SELECTED, load_calibration_arg
 
     policies = list(args.policies)
-    runs = getattr(args, "calibration_runs", None)
+    runs = args.calibration_runs
     if runs and not args.calibration:
         raise ConfigError("--calibration-runs needs --calibration FILE|auto")
     for x in runs or []:
