@@ -125,10 +125,11 @@ def append_record(path: str | os.PathLike, record: dict | None) -> None:
 
 
 def csv_of(kind, what: str):
-    """An argparse type: comma-separated values of ``kind`` (int, float, str), empty items dropped."""
+    """An argparse type: comma-separated values of ``kind`` (int, float, str), empty and repeated items dropped
+    (a repeated policy or budget would run its setting twice)."""
     def parse(text: str) -> list:
         try:
-            return [kind(x) for x in text.split(",") if x]
+            return list(dict.fromkeys(kind(x) for x in text.split(",") if x))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what}: comma-separated {kind.__name__} values, got {text!r}") from None
     return parse
@@ -143,6 +144,8 @@ def with_calibration(args, model: str, rows: list[dict], records: Path) -> tuple
 
     policies = list(args.policies)
     runs = args.calibration_runs
+    if runs == []:
+        raise ConfigError("--calibration-runs: name at least one of epikv_calibrated, calibrated")
     if runs and not args.calibration:
         raise ConfigError("--calibration-runs needs --calibration FILE|auto")
     for x in runs or []:

@@ -149,7 +149,8 @@ def test_accuracy_bench_runs_a_calibrations_policies(tmp_path):
 def test_accuracy_bench_runs_only_the_calibration_runs_asked_for(tmp_path):
     """--calibration-runs calibrated runs step 3's choice without epikv_calibrated, beside the records of another
     calibration's epikv_calibrated runs (a setting's outcomes still come from one calibration; the merge names
-    each setting's calibration); a run it cannot give, or the option without --calibration, is one line, exit 2."""
+    each setting's calibration); a run it cannot give, no run named, or the option without --calibration, is one
+    line, exit 2."""
     cal = next((REPO / "epikv_local" / "calibrations").glob("*.json"))  # the default model's, with step 3
     data = _tiny_gsm8k(tmp_path)
     records, out = tmp_path / "r.jsonl", tmp_path / "a.json"
@@ -162,7 +163,7 @@ def test_accuracy_bench_runs_only_the_calibration_runs_asked_for(tmp_path):
                                    "n_evicted": 0, "finish_reason": "stop", "calibration": "older.json"}) + "\n")
     base = ["--data", data, "--policies", "streaming", "--budgets", "512", "--limit", "1", "--max-tokens", "24",
             "--no-full", "--calibration", cal, "--records", records]
-    d = run("bench_accuracy.py", *base, "--calibration-runs", "calibrated", "--out", out)
+    d = run("bench_accuracy.py", *base, "--calibration-runs", "calibrated,calibrated", "--out", out)  # one run
     assert set(d["settings"]) == {"streaming@512/protected", "epikv_calibrated@512/protected",
                                   "calibrated@512/protected"}
     assert d["settings"]["calibrated@512/protected"]["calibration"] == cal.name
@@ -170,8 +171,10 @@ def test_accuracy_bench_runs_only_the_calibration_runs_asked_for(tmp_path):
     assert "calibration" not in d["settings"]["streaming@512/protected"]
     ran = [json.loads(x)["setting"] for x in records.read_text().splitlines()]
     assert ran.count("epikv_calibrated@512/protected") == 1  # the older calibration's record only
+    assert ran.count("calibrated@512/protected") == 1  # a repeated name runs once
     for extra, word in ((["--calibration-runs", "epikv_calibrated"], "older.json"),  # that setting is another's
-                        (["--calibration-runs", "calibratd"], "calibratd")):
+                        (["--calibration-runs", "calibratd"], "calibratd"),
+                        (["--calibration-runs", ","], "at least one")):
         r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_accuracy.py"), *map(str, base), *extra],
                            capture_output=True, text=True, timeout=300, cwd=REPO)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and word in r.stderr, r.stderr
