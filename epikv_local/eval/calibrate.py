@@ -18,6 +18,9 @@ Procedure (dev traces only; see docs/calibration.md, section "Calibration"):
    the best settings of 2 re-ranked by right answers on GSM8K dev problems under a budget, the prompt counted
    (:mod:`.calibrate_accuracy`); the most right answers wins, a tie the lower ΔNLL. The JSON says which
    objective chose (``objective``: ``delta_nll`` or ``accuracy``) and whether accuracy changed the choice.
+   With step 3, its choice for the budget cell that runs at the accuracy budget is re-ranked the same way
+   (``accuracy_signals``; a tie keeps StreamingLLM). :func:`calibrate_on_accuracy` applies both to a finished
+   ΔNLL calibration (``calibrate --objective accuracy --from FILE``) without rerunning steps 1-3.
 
 The result is written as JSON to ``<cache>/calibration/<sha256 of the model file>.json`` (cache dir:
 ``$EPIKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/epikv-local`` or ``~/.cache/epikv-local``) and read back by
@@ -48,11 +51,11 @@ from ..api.calibration import (
 )
 from ..engine.budget import DEFAULT_RECENT_FRACTION, BudgetConfig
 from ..engine.handles import Model
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..policies.epikv import EpikvPolicy
 from ..policies.scoring import ScoringConfig
 from .anatomy import capture_pass, layer_z, rank_layers
-from .calibrate_accuracy import AccuracyObjective, choose_by_accuracy
+from .calibrate_accuracy import AccuracyObjective, choose_by_accuracy, choose_signal_by_accuracy
 from .io import write_atomic
 from .fidelity import StreamingComparison
 from .passes import PassJob, reference_passes, run_passes
@@ -252,7 +255,7 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
 
         # 3. query statistics and the choice among signals
         path = Path(out) if out else calibration_dir() / f"{sha}.json"
-        selected, qs_name, t_signals = None, None, 0.0
+        selected, qs_name, t_signals, acc3_record = None, None, 0.0, None
         if signals:
             t0 = time.perf_counter()
             epikv_opts = {"layers": (best["layer_a"],) if best["layer_b"] is None else
@@ -288,6 +291,11 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
                 if c["options"].get("query_stats"):
                     c["options"]["query_stats"] = qs_name
             t_signals = time.perf_counter() - t0
+            if accuracy is not None:  # 3b: the cell that runs at the accuracy budget re-ranked on answers
+                t0 = time.perf_counter()
+                selected, acc3_record = choose_signal_by_accuracy(model, selected, accuracy, path.parent, n_threads,
+                                                                  log, streaming=acc_record["streaming"])
+                t_acc += time.perf_counter() - t0
             ch = selected["chosen"]
             log(f"signals: chose {ch['policy']} (recent {ch['recent_fraction']}): objective {ch['objective']:+.4f}; "
                 f"streaming {next(c['objective'] for c in selected['candidates'] if c['policy'] == 'streaming'):+.4f}")
@@ -301,6 +309,7 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
         "traces": portable(str(traces_path)), "trace_ids": [t for t, _ in traces],
         "chosen": {k: best[k] for k in ("layer_a", "layer_b", "window", "recent_fraction")},
         "objective": "accuracy" if accuracy is not None else "delta_nll", "accuracy": acc_record,
+        "accuracy_signals": acc3_record,
         "chosen_delta_nll": best["delta_nll"], "baseline": results[_key(base_cfg, DEFAULT_RECENT_FRACTION)],
         "baseline_delta_nll": baseline,
         "anatomy": {"candidates_a": pos_l, "candidates_b": neg_l, "n_positions": int(n_lab),
@@ -316,4 +325,114 @@ def calibrate(model_path: str | os.PathLike, traces_path: str | os.PathLike, gri
     write_atomic(path, json.dumps(doc, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
     log(f"chosen layers {best['layer_a']},{best['layer_b']} window {best['window']} recent {best['recent_fraction']}: "
         f"dev ΔNLL {best['delta_nll']:+.4f} vs default {baseline:+.4f}; {cost:.0f}s; wrote {path}")
+    return load_file(path)
+
+
+def _rebase_stats(obj, old_dir: Path, new_dir: Path):
+    """``obj`` (a calibration document or part of it) with every ``query_stats`` file name, relative to
+    ``old_dir``, made relative to ``new_dir``."""
+    if isinstance(obj, dict):
+        return {k: (os.path.relpath(old_dir / v, new_dir) if k == "query_stats" and isinstance(v, str)
+                    else _rebase_stats(v, old_dir, new_dir)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rebase_stats(v, old_dir, new_dir) for v in obj]
+    return obj
+
+
+def _check_reusable(doc: dict, src: Path, accuracy: AccuracyObjective) -> None:
+    """DataError naming the problem unless ``doc`` holds what steps 4 and 3b read: step 2's rows and baseline
+    (layers, window, recent share, ΔNLL) and, if step 3 ran, its per-budget cells and candidates of registered
+    policies with an objective at every cell's budget and a StreamingLLM candidate; checked before any answer."""
+    from ..policies import policy_spec
+
+    def bad(what: str) -> DataError:
+        return DataError(f"calibration {src} cannot be re-ranked: {what}")
+
+    def setting(r) -> None:
+        if not (isinstance(r, dict) and isinstance(r.get("layer_a"), int) and isinstance(r.get("window"), int)
+                and (r.get("layer_b") is None or isinstance(r.get("layer_b"), int))
+                and isinstance(r.get("delta_nll"), (int, float)) and isinstance(r.get("recent_fraction"), float)):
+            raise bad(f"a step-2 row is not {{layer_a, layer_b, window, recent_fraction, delta_nll}}: {r!r:.120}")
+        try:
+            BudgetConfig(kv_budget=accuracy.kv_budget, n_sink=accuracy.n_sink, recent_fraction=r["recent_fraction"],
+                         protect_prompt=False)
+        except ConfigError as e:
+            raise bad(f"a step-2 row's recent share at {accuracy.kv_budget} cells: {e}") from None
+
+    rows = doc.get("grid_results")
+    if not isinstance(rows, list) or not rows:
+        raise bad("no step-2 grid results")
+    for r in rows + [doc.get("baseline")]:
+        setting(r)
+    sel = doc.get("selected")
+    if sel is None:
+        return
+    cells, cands = (sel.get("by_budget"), sel.get("candidates")) if isinstance(sel, dict) else (None, None)
+    if not (isinstance(cells, list) and cells and isinstance(cands, list) and cands):
+        raise bad("step 3 has no per-budget choices or no candidates")
+    budgets = []
+    for e in cells:
+        if not (isinstance(e, dict) and isinstance(e.get("kv_budget"), int) and e["kv_budget"] > 0
+                and isinstance(e.get("objective"), (int, float))):
+            raise bad(f"a per-budget choice is not {{kv_budget > 0, objective, ...}}: {e!r:.120}")
+        budgets.append(str(e["kv_budget"]))
+    for c in cells + cands:
+        try:
+            opts = c["options"]
+            spec = policy_spec(c["policy"])
+            unknown = set(opts) - set(spec.option_names)
+            BudgetConfig(kv_budget=accuracy.kv_budget, n_sink=accuracy.n_sink, recent_fraction=c["recent_fraction"],
+                         protect_prompt=False)
+            if c in cands and not all(isinstance(c["per_budget"][b]["objective"], (int, float)) for b in budgets):
+                raise TypeError("an objective is not a number")
+        except (KeyError, TypeError, AttributeError, ConfigError) as e:
+            raise bad(f"a step-3 candidate is malformed ({type(e).__name__}: {e})") from None
+        if spec.from_calibration or unknown:
+            raise bad(f"step-3 candidate {c['policy']!r} is not a policy with settings {sorted(opts)}")
+    if not any(c["policy"] == "streaming" for c in cands):
+        raise bad("step 3 has no StreamingLLM candidate")
+
+
+def calibrate_on_accuracy(model_path: str | os.PathLike, calibration: str | os.PathLike,
+                          accuracy: AccuracyObjective, out: str | os.PathLike | None = None,
+                          n_threads: int | None = None, log: Callable[[str], None] | None = None
+                          ) -> CalibrationResult:
+    """Steps 4 and 3b on a finished calibration of this model (``calibrate --objective accuracy --from FILE``):
+    its step-2 grid and step-3 candidates re-ranked on right answers of dev problems, steps 1-3 not rerun
+    (minutes, not hours). Written like :func:`calibrate`'s JSON, with ``reused_from`` naming the file; when step 4
+    changes EPIKV's settings, step 3's EPIKV-based candidates still hold the settings they were measured with
+    (``signals_built_on``). DataError when the file is not a calibration of ``model_path``."""
+    log = log or (lambda m: print(f"calibrate: {m}", file=sys.stderr, flush=True))
+    t_start = time.perf_counter()
+    src = Path(calibration)
+    load_file(src)  # a readable calibration, or DataError naming the problem
+    doc = json.loads(src.read_text())
+    model_path = Path(model_path)
+    sha = model_sha256(model_path)
+    if doc["model_sha256"] != sha:
+        raise DataError(f"calibration {src} is of another model file ({doc.get('model_file')}, sha256 "
+                        f"{doc['model_sha256'][:12]}...), not {model_path.name}")
+    _check_reusable(doc, src, accuracy)
+    path = Path(out) if out else calibration_dir() / f"{sha}.json"
+    acc3_record, selected = None, doc.get("selected")
+    with Model(model_path) as model:
+        best, acc_record = choose_by_accuracy(model, doc["grid_results"], doc["baseline"], accuracy,
+                                              n_threads=n_threads, log=log)
+        if selected:
+            selected, acc3_record = choose_signal_by_accuracy(model, selected, accuracy, src.resolve().parent,
+                                                              n_threads, log, streaming=acc_record["streaming"])
+    cost = time.perf_counter() - t_start
+    chosen = {k: best[k] for k in ("layer_a", "layer_b", "window", "recent_fraction")}
+    new = {**doc, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "reused_from": portable(str(src)), "chosen": chosen, "objective": "accuracy", "accuracy": acc_record,
+           "accuracy_signals": acc3_record, "chosen_delta_nll": best["delta_nll"], "selected": selected,
+           "signals_built_on": doc["chosen"] if selected and chosen != doc["chosen"] else None,
+           "cost_seconds": {**doc.get("cost_seconds", {}), "accuracy": round(cost, 1),
+                            "total": round(doc.get("cost_seconds", {}).get("total", 0.0) + cost, 1)}}
+    new = _rebase_stats(new, src.resolve().parent, path.resolve().parent)
+    write_atomic(path, json.dumps(new, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
+    log(f"accuracy on {src.name}: EPIKV layers {chosen['layer_a']},{chosen['layer_b']} window {chosen['window']} "
+        f"recent {chosen['recent_fraction']}" + ("" if acc3_record is None else
+        f"; at {accuracy.kv_budget} cells {acc3_record['chosen']['policy']} (ΔNLL chose "
+        f"{acc3_record['delta_nll_choice']['policy']})") + f"; {cost:.0f}s; wrote {path}")
     return load_file(path)

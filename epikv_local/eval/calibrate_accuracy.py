@@ -9,12 +9,16 @@ against ``kv_budget``: the setting where eviction reaches the question), grades 
 choice stands unless accuracy says otherwise. StreamingLLM is answered too, as the reference a reader compares
 with (never a candidate here: step 3 chooses among policies).
 
+Step 3b (:func:`choose_signal_by_accuracy`) does the same for step 3's choice among the policies: the budget cell
+that runs at ``kv_budget`` re-ranked on the same problems, StreamingLLM a candidate there and kept on a tie.
+
 Cost: (candidates + 1) x ``n_problems`` answers, about 10 s each for a 0.5B model on 2 cores at 400 tokens.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +120,7 @@ def choose_by_accuracy(model, grid_rows: list[dict], default_row: dict, objectiv
 
     ref = answer_accuracy(model, problems, StreamingLLM(), budget(default_row["recent_fraction"]),
                           objective.max_tokens, n_threads)
+    ref["recent_fraction"] = default_row["recent_fraction"]
     log(f"accuracy: streaming {ref['n_right']}/{len(problems)} at {objective.kv_budget} cells ({ref['seconds']:.0f}s)")
     for r in cands:
         layers = (r["layer_a"],) if r["layer_b"] is None else (r["layer_a"], r["layer_b"])
@@ -134,3 +139,74 @@ def choose_by_accuracy(model, grid_rows: list[dict], default_row: dict, objectiv
               "changed_choice": key(chosen) != key(by_nll),
               "delta_nll_choice": {k: by_nll[k] for k in ("layer_a", "layer_b", "window", "recent_fraction")}}
     return chosen, record
+
+
+def _ident(c: dict) -> tuple:
+    """A step-3 candidate's identity: (policy, settings, recent share)."""
+    return c["policy"], json.dumps(c["options"], sort_keys=True), float(c["recent_fraction"])
+
+
+def choose_signal_by_accuracy(model, selected: dict, objective: AccuracyObjective, stats_dir: Path,
+                              n_threads: int | None = None, log: Callable[[str], None] = lambda m: None,
+                              streaming: dict | None = None) -> tuple[dict, dict]:
+    """Step 3 re-ranked on answers: (``selected`` with one per-budget choice replaced, the record of the step).
+
+    ``selected``: step 3's result ({"chosen", "by_budget", "candidates", ...}, :func:`.signals.select_policy`);
+    the per-budget cell that ``--policy calibrated`` runs at ``objective.kv_budget`` (nearest on a log scale, as
+    :meth:`~epikv_local.api.calibration.CalibrationResult.selected_for`) is the one re-ranked, the others keep their
+    ΔNLL choice. Candidates: that cell's choice, the ``top_k`` lowest objectives at that budget, and StreamingLLM.
+    The most right answers wins; a tie prefers StreamingLLM (a scored policy must answer more than recency does:
+    the same guard as step 3's), then the ΔNLL choice, then the lower objective. ``stats_dir``: where a
+    ``query_stats`` option's file name is found. ``streaming``: StreamingLLM's answers of the same problems at
+    the same budget (step 4's, with their ``recent_fraction``), reused when the recent share is StreamingLLM's
+    here."""
+    from ..policies import make_policy
+
+    cells = selected.get("by_budget") or []
+    if not cells:
+        raise DataError("step 3 has no per-budget choice to re-rank on accuracy")
+    kv = objective.kv_budget
+    cell = min(cells, key=lambda e: (abs(math.log(kv / e["kv_budget"])), -e["kv_budget"]))
+    b = str(cell["kv_budget"])
+    ranked = sorted(selected["candidates"], key=lambda c: c["per_budget"][b]["objective"])
+    stream = next(c for c in selected["candidates"] if c["policy"] == "streaming")
+    pool: list[dict] = []
+    for c in [cell] + ranked[:objective.top_k] + [stream]:  # the first of equal identities (the cell's own)
+        if all(_ident(c) != _ident(p) for p in pool):
+            pool.append(c)
+    problems = dev_problems(objective.problems, objective.n_problems)
+    rows = []
+    for c in pool:
+        opts = dict(c["options"])
+        if opts.get("query_stats"):
+            opts["query_stats"] = str(Path(stats_dir) / opts["query_stats"])
+        if isinstance(opts.get("layers"), list):
+            opts["layers"] = tuple(opts["layers"])
+        if (c["policy"] == "streaming" and streaming is not None
+                and streaming.get("recent_fraction") == c["recent_fraction"]):
+            acc = streaming
+        else:
+            acc = answer_accuracy(model, problems, make_policy(c["policy"], **opts),
+                                  BudgetConfig(kv_budget=kv, n_sink=objective.n_sink,
+                                               recent_fraction=c["recent_fraction"], protect_prompt=False),
+                                  objective.max_tokens, n_threads)
+        rows.append({"policy": c["policy"], "options": c["options"], "recent_fraction": c["recent_fraction"],
+                     "objective": c["per_budget"][b]["objective"] if c is not cell else cell["objective"], **acc})
+        log(f"accuracy (signals, {b}-cell choice at {kv} cells): {c['policy']} {c['options']} recent "
+            f"{c['recent_fraction']}: {acc['n_right']}/{len(problems)}")
+    best = max(rows, key=lambda r: (r["n_right"], r["policy"] == "streaming", _ident(r) == _ident(cell),
+                                    -r["objective"]))
+    winner = next(c for c in pool if _ident(c) == _ident(best))
+    new_cell = cell if winner is cell else {
+        "kv_budget": cell["kv_budget"], "policy": winner["policy"], "options": winner["options"],
+        "recent_fraction": winner["recent_fraction"],
+        **{k: v for k, v in winner["per_budget"][b].items() if k != "per_trace"}}
+    new_cell = {**new_cell, "chosen_by": "accuracy"}
+    out = {**selected, "by_budget": [new_cell if e is cell else e for e in cells]}
+    record = {"problems": Path(objective.problems).name, "split": "dev", "problem_ids": [p["id"] for p in problems],
+              "kv_budget": kv, "cell": cell["kv_budget"], "prompt": "counted", "max_tokens": objective.max_tokens,
+              "top_k": objective.top_k, "candidates": rows,
+              "chosen": {k: winner[k] for k in ("policy", "options", "recent_fraction")},
+              "delta_nll_choice": {k: cell[k] for k in ("policy", "options", "recent_fraction")},
+              "changed_choice": _ident(winner) != _ident(cell)}
+    return out, record

@@ -53,13 +53,16 @@ def add_commands(sub) -> dict:
                     "among the signals): EPIKV's settings only")
     cp.add_argument("--objective", choices=["delta_nll", "accuracy"], default="delta_nll",
                     help="what chooses EPIKV's settings: teacher-forced ΔNLL on the dev traces (default), or right "
-                         "answers on GSM8K dev problems under a budget among the ΔNLL grid's best (step 4)")
+                         "answers on GSM8K dev problems under a budget among the ΔNLL grid's best (step 4), and step 3's "
+                         "policy for that budget among its best and StreamingLLM (3b)")
     cp.add_argument("--problems", metavar="PATH", help="--objective accuracy: a GSM8K JSONL with a split field, "
                     "dev rows only used (default: ../shared/data/gsm8k_test.jsonl beside a source checkout)")
     cp.add_argument("--accuracy-problems", type=int, metavar="N", help="dev problems answered (16)")
     cp.add_argument("--accuracy-budget", type=int, metavar="N", help="KV budget of the answers, prompt counted (192)")
     cp.add_argument("--accuracy-max-tokens", type=int, metavar="N", help="tokens per answer (400)")
     cp.add_argument("--accuracy-top-k", type=int, metavar="N", help="best ΔNLL settings tried besides the default (2)")
+    cp.add_argument("--from", dest="reuse", metavar="PATH", help="--objective accuracy: re-rank this finished "
+                    "calibration of the model (its JSON) on answers, without rerunning the labels, grid and signals")
     cp.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                     help="llama.cpp threads (default: CPUs available - 1, at most 8)")
     cp.add_argument("-np", "--parallel", type=int, default=PARALLEL_DEFAULT, metavar="N",
@@ -141,7 +144,7 @@ def run_labels_cmd(args: argparse.Namespace) -> int:
 def run_calibrate_cmd(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from .calibrate import FAST_GRID, QUICK_GRID, Grid, calibrate
+    from .calibrate import FAST_GRID, QUICK_GRID, Grid, calibrate, calibrate_on_accuracy
     from .provenance import REPO
     from .traces import default_dev_traces
 
@@ -157,11 +160,17 @@ def run_calibrate_cmd(args: argparse.Namespace) -> int:
         grid = replace(grid, n_traces=args.n_traces)
     if not 1 <= args.parallel <= 64:
         raise ConfigError(f"--parallel must be in 1..64, got {args.parallel}")
+    if args.reuse is not None:
+        _check_reuse(args)
     accuracy = _accuracy_objective(args, grid, REPO.parent / "shared" / "data" / "gsm8k_test.jsonl")
-    with output_errors(args.out, "calibration"), output_errors(args.labels, "labels"):
-        res = calibrate(model_path, traces, grid, full_grid=args.full_grid, n_threads=args.threads,
-                        labels_path=args.labels, out=args.out, signals=not args.no_signals, accuracy=accuracy,
-                        n_parallel=args.parallel)
+    if args.reuse is not None:
+        with output_errors(args.out, "calibration"):
+            res = calibrate_on_accuracy(model_path, args.reuse, accuracy, out=args.out, n_threads=args.threads)
+    else:
+        with output_errors(args.out, "calibration"), output_errors(args.labels, "labels"):
+            res = calibrate(model_path, traces, grid, full_grid=args.full_grid, n_threads=args.threads,
+                            labels_path=args.labels, out=args.out, signals=not args.no_signals, accuracy=accuracy,
+                            n_parallel=args.parallel)
     print(json.dumps({"path": res.path, "objective": args.objective, "layer_a": res.layer_a,
                       "layer_b": res.layer_b, "window": res.window,
                       "recent_fraction": res.recent_fraction, "delta_nll": res.delta_nll,
@@ -170,6 +179,20 @@ def run_calibrate_cmd(args: argparse.Namespace) -> int:
                       "selected_by_budget": {str(b): _brief(sel) for b, sel in res.selected_by_budget}},
                      default=str))
     return 0
+
+
+def _check_reuse(args: argparse.Namespace) -> None:
+    """``--from``: only with ``--objective accuracy`` and without the options of the steps it does not rerun."""
+    if args.objective != "accuracy":
+        raise ConfigError("--from re-ranks a calibration on answers: only with --objective accuracy")
+    rerun = [opt for opt, given in (("--traces", args.traces), ("--quick", args.quick), ("--fast", args.fast),
+                                    ("--full-grid", args.full_grid), ("--n-traces", args.n_traces),
+                                    ("--labels", args.labels), ("--no-signals", args.no_signals)) if given]
+    if rerun:
+        raise ConfigError(f"{', '.join(rerun)}: not with --from (the labels, grid and signals are not rerun)")
+    if not Path(args.reuse).is_file():
+        raise ConfigError(f"--from {args.reuse}: not a file" if Path(args.reuse).exists() else
+                          f"--from {args.reuse}: no such file")
 
 
 #: calibrate's options of the accuracy objective: (option, AccuracyObjective field, default)

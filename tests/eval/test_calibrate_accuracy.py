@@ -128,3 +128,142 @@ def test_calibrate_accuracy_bad_input_is_one_line(model_path, tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, r.stderr)
     assert not (tmp_path / "c.json").exists()
+
+
+# -- step 3b: the choice among the signals re-ranked on answers ------------------------------------------------
+def _cand(policy, objs, rf=0.5, **options):
+    return {"policy": policy, "options": options, "recent_fraction": rf, "objective": sum(objs.values()) / len(objs),
+            "per_budget": {str(b): {"delta_nll": o, "key_delta_nll": o, "objective": o, "per_trace": [o]}
+                           for b, o in objs.items()}}
+
+
+def _selected():
+    cands = [_cand("streaming", {128: 1.0, 256: 0.9, 512: 0.5}), _cand("keydiff", {128: 0.8, 256: 0.7, 512: 0.4}),
+             _cand("epikv_mix", {128: 0.9, 256: 0.6, 512: 0.3}, rf=0.75, layers=[10], w_keydiff=2.0),
+             _cand("rkv_redundancy", {128: 1.1, 256: 0.8, 512: 0.45})]
+    cell = lambda b, c: {"kv_budget": b, "policy": c["policy"], "options": c["options"],  # noqa: E731
+                         "recent_fraction": c["recent_fraction"], **c["per_budget"][str(b)], "vs_streaming": {}}
+    return {"chosen": cell(256, cands[2]), "by_budget": [cell(128, cands[1]), cell(256, cands[2]),
+                                                         cell(512, cands[2])], "candidates": cands}
+
+
+@pytest.mark.parametrize("rights, want", [
+    ({"streaming": 1, "epikv_mix": 2, "keydiff": 3}, "keydiff"),  # more right answers beat step 3's ΔNLL choice
+    ({"streaming": 2, "epikv_mix": 2, "keydiff": 1}, "streaming"),  # a tie with StreamingLLM keeps StreamingLLM
+    ({"streaming": 1, "epikv_mix": 2, "keydiff": 2}, "epikv_mix"),  # a tie among scored ones keeps step 3's choice
+])
+def test_the_signal_cell_at_the_accuracy_budget_is_re_ranked_on_answers(monkeypatch, tmp_path, rights, want):
+    asked = []
+
+    def fake(model, problems, policy, budget, max_tokens, n_threads=None):
+        asked.append((policy.name, budget.recent_fraction))
+        assert budget.kv_budget == 192 and budget.protect_prompt is False and max_tokens == 50
+        n = rights[policy.name]
+        return {"correct": [True] * n + [False] * (3 - n), "n_right": n, "mean_generated": 5.0, "seconds": 0.0}
+
+    monkeypatch.setattr(ca, "answer_accuracy", fake)
+    sel = _selected()
+    obj = ca.AccuracyObjective(str(_problems(tmp_path)), n_problems=3, kv_budget=192, max_tokens=50, top_k=2)
+    out, rec = ca.choose_signal_by_accuracy(None, sel, obj, tmp_path)
+    # 192 cells run the 256 cell (nearest on a log scale); its choice, the 2 best there, and StreamingLLM
+    assert rec["cell"] == 256 and asked == [("epikv_mix", 0.75), ("keydiff", 0.5), ("streaming", 0.5)]
+    assert rec["chosen"]["policy"] == want and rec["changed_choice"] is (want != "epikv_mix")
+    new = {e["kv_budget"]: e for e in out["by_budget"]}
+    assert new[256]["policy"] == want and new[256]["chosen_by"] == "accuracy"
+    assert new[256]["objective"] == next(c for c in sel["candidates"] if c["policy"] == want)["per_budget"]["256"][
+        "objective"]
+    assert [new[b] for b in (128, 512)] == [sel["by_budget"][0], sel["by_budget"][2]]  # the other cells stay
+    assert out["chosen"] == sel["chosen"] and rec["delta_nll_choice"]["policy"] == "epikv_mix"
+
+
+def test_step_4s_streaming_answers_are_reused_only_at_the_same_recent_share(monkeypatch, tmp_path):
+    asked = []
+
+    def fake(model, problems, policy, budget, max_tokens, n_threads=None):
+        asked.append(policy.name)
+        return {"correct": [False], "n_right": 0, "mean_generated": 5.0, "seconds": 0.0}
+
+    monkeypatch.setattr(ca, "answer_accuracy", fake)
+    obj = ca.AccuracyObjective(str(_problems(tmp_path)), n_problems=1, kv_budget=100, top_k=1)
+    ref = {"correct": [True], "n_right": 1, "mean_generated": 5.0, "seconds": 0.0}
+    _, rec = ca.choose_signal_by_accuracy(None, _selected(), obj, tmp_path, streaming={**ref, "recent_fraction": 0.5})
+    assert rec["cell"] == 128 and asked == ["keydiff"] and rec["chosen"]["policy"] == "streaming"
+    asked.clear()
+    ca.choose_signal_by_accuracy(None, _selected(), obj, tmp_path, streaming={**ref, "recent_fraction": 0.75})
+    assert asked == ["keydiff", "streaming"]
+
+
+def test_calibrate_from_a_finished_calibration_end_to_end(model_path, tmp_path):
+    """A --quick ΔNLL calibration with signals, then --from it into another folder: steps 4 and 3b recorded,
+    the query statistics still found, the file read back; bad input one line, exit 2, nothing written."""
+    src = tmp_path / "a" / "cal.json"
+    src.parent.mkdir()
+    r = subprocess.run(CLI + ["calibrate", "--model", str(model_path), "--traces", str(TRACES), "--quick",
+                              "--threads", "2", "--out", str(src)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    f, out = _problems(tmp_path), tmp_path / "b" / "acc.json"
+    out.parent.mkdir()
+    common = ["calibrate", "--model", str(model_path), "--objective", "accuracy", "--problems", str(f),
+              "--accuracy-problems", "2", "--accuracy-max-tokens", "16", "--accuracy-budget", "64",
+              "--accuracy-top-k", "1", "--threads", "2"]
+    r = subprocess.run(CLI + common + ["--from", str(src), "--out", str(out)], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, doc = json.loads(src.read_text()), json.loads(out.read_text())
+    assert doc["objective"] == "accuracy" and doc["reused_from"].endswith("cal.json")
+    assert doc["grid_results"] == before["grid_results"] and doc["anatomy"] == before["anatomy"]  # not rerun
+    rec = doc["accuracy_signals"]
+    assert rec["cell"] == 64 and rec["problem_ids"] == ["q1", "q2"]
+    for c in rec["candidates"] + doc["accuracy"]["candidates"]:
+        assert len(c["correct"]) == 2 and c["n_right"] == sum(c["correct"])
+    best = max(rec["candidates"], key=lambda c: (c["n_right"], c["policy"] == "streaming",
+                                                 (c["policy"], c["options"]) == (rec["delta_nll_choice"]["policy"],
+                                                                                 rec["delta_nll_choice"]["options"])))
+    assert doc["selected"]["by_budget"][0]["policy"] == rec["chosen"]["policy"] == best["policy"]
+    from epikv_local.api.calibration import load_file
+
+    cal = load_file(out)
+    assert cal.selected_for(64)["policy"] == best["policy"]
+    if before["query_stats"]:  # the statistics stay where they were, named relative to the new file
+        assert Path(cal.query_stats).resolve() == (src.parent / before["query_stats"]).resolve()
+        assert Path(cal.query_stats).is_file()
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**before, "model_sha256": "0" * 64}))
+    bad_out = tmp_path / "never.json"
+    for args, needle in ((["--from", str(src)], None),
+                         (["--from", str(tmp_path / "none.json")], "no such file"),
+                         (["--from", str(tmp_path)], "not a file"),
+                         (["--from", str(f)], "is malformed"),
+                         (["--from", str(src), "--fast"], "--fast: not with --from"),
+                         (["--from", str(other)], "another model file")):
+        cmd = CLI + (common if needle else ["calibrate", "--model", str(model_path)]) + args + ["--out", str(bad_out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, (args, r.stderr)
+        assert (needle or "only with --objective accuracy") in lines[0], (args, r.stderr)
+    assert not bad_out.exists()
+
+
+def test_a_calibration_that_cannot_be_re_ranked_is_refused_before_any_answer(tmp_path):
+    from epikv_local.eval.calibrate import _check_reusable
+
+    obj = ca.AccuracyObjective(str(_problems(tmp_path)), kv_budget=192)
+    good = {"grid_results": [_row(3, 9, 0.1)], "baseline": _row(5, 10, 0.2), "selected": _selected()}
+    _check_reusable(good, tmp_path / "c.json", obj)
+    _check_reusable({**good, "selected": None}, tmp_path / "c.json", obj)  # no step 3: step 4 only
+    sel = _selected()
+    for doc, needle in (
+            ({**good, "grid_results": []}, "no step-2 grid results"),
+            ({**good, "grid_results": [{"layer_a": "3"}]}, "a step-2 row"),
+            ({**good, "baseline": _row(5, 10, 0.2, rf=1.5)}, "recent share"),
+            ({**good, "selected": {**sel, "by_budget": []}}, "no per-budget choices"),
+            ({**good, "selected": {**sel, "by_budget": [{**sel["by_budget"][0], "kv_budget": 0}]}}, "kv_budget > 0"),
+            ({**good, "selected": {**sel, "candidates": sel["candidates"][1:]}}, "no StreamingLLM candidate"),
+            ({**good, "selected": {**sel, "candidates": [{**sel["candidates"][0], "policy": "nonesuch"}]}},
+             "malformed"),
+            ({**good, "selected": {**sel, "candidates": [{**sel["candidates"][1], "options": {"evil": 1}}]}},
+             "not a policy with settings"),
+            ({**good, "selected": {**sel, "candidates": [{**sel["candidates"][0], "per_budget": {}}]}}, "malformed"),
+            ({**good, "selected": [1, 2]}, "no per-budget choices")):
+        with pytest.raises(DataError, match=needle):
+            _check_reusable(doc, tmp_path / "c.json", obj)
