@@ -340,30 +340,33 @@ def _rebase_stats(obj, old_dir: Path, new_dir: Path):
 
 
 def _check_reusable(doc: dict, src: Path, accuracy: AccuracyObjective) -> None:
-    """DataError naming the problem unless ``doc`` holds what steps 4 and 3b read: step 2's rows and baseline
-    (layers, window, recent share, ΔNLL) and, if step 3 ran, its per-budget cells and candidates of registered
-    policies with an objective at every cell's budget and a StreamingLLM candidate; checked before any answer."""
-    from ..policies import policy_spec
+    """DataError naming the problem unless ``doc`` holds what steps 4 and 3b read, checked before any answer:
+    a ΔNLL calibration (not one already re-ranked on answers), step 2's rows and baseline as valid EPIKV settings
+    of this depth with a ΔNLL, and, if step 3 ran, its per-budget cells and candidates as policies that can be
+    built (their query statistics present), an objective at every cell's budget and a StreamingLLM candidate."""
+    from ..policies.epikv import EpikvPolicy
+    from .calibrate_accuracy import candidate_policy
 
     def bad(what: str) -> DataError:
         return DataError(f"calibration {src} cannot be re-ranked: {what}")
 
-    def setting(r) -> None:
-        if not (isinstance(r, dict) and isinstance(r.get("layer_a"), int) and isinstance(r.get("window"), int)
-                and (r.get("layer_b") is None or isinstance(r.get("layer_b"), int))
-                and isinstance(r.get("delta_nll"), (int, float)) and isinstance(r.get("recent_fraction"), float)):
-            raise bad(f"a step-2 row is not {{layer_a, layer_b, window, recent_fraction, delta_nll}}: {r!r:.120}")
-        try:
-            BudgetConfig(kv_budget=accuracy.kv_budget, n_sink=accuracy.n_sink, recent_fraction=r["recent_fraction"],
-                         protect_prompt=False)
-        except ConfigError as e:
-            raise bad(f"a step-2 row's recent share at {accuracy.kv_budget} cells: {e}") from None
-
+    if doc.get("objective") == "accuracy" or doc.get("accuracy_signals") is not None:
+        raise bad("it was chosen on answers already; give the ΔNLL calibration it came from")
     rows = doc.get("grid_results")
     if not isinstance(rows, list) or not rows:
         raise bad("no step-2 grid results")
+    n_layer = int(doc["n_layer"])  # load_file read it as an int
     for r in rows + [doc.get("baseline")]:
-        setting(r)
+        try:
+            layers = (r["layer_a"],) if r["layer_b"] is None else (r["layer_a"], r["layer_b"])
+            if not all(isinstance(x, int) and 0 <= x < n_layer - 1 for x in layers) or isinstance(r["window"], bool):
+                raise ValueError(f"layers {layers} outside 0..{n_layer - 2}")
+            EpikvPolicy(layers=layers, window=r["window"])
+            float(r["delta_nll"])
+            BudgetConfig(kv_budget=accuracy.kv_budget, n_sink=accuracy.n_sink, recent_fraction=r["recent_fraction"],
+                         protect_prompt=False)
+        except (KeyError, TypeError, ValueError, ConfigError) as e:
+            raise bad(f"a step-2 setting ({type(e).__name__}: {e}): {r!r:.120}") from None
     sel = doc.get("selected")
     if sel is None:
         return
@@ -378,17 +381,17 @@ def _check_reusable(doc: dict, src: Path, accuracy: AccuracyObjective) -> None:
         budgets.append(str(e["kv_budget"]))
     for c in cells + cands:
         try:
-            opts = c["options"]
-            spec = policy_spec(c["policy"])
-            unknown = set(opts) - set(spec.option_names)
+            if not isinstance(c.get("options"), dict) or not isinstance(c.get("policy"), str):
+                raise TypeError("policy is not a name or options not an object")
+            candidate_policy(c, src.resolve().parent)
             BudgetConfig(kv_budget=accuracy.kv_budget, n_sink=accuracy.n_sink, recent_fraction=c["recent_fraction"],
                          protect_prompt=False)
             if c in cands and not all(isinstance(c["per_budget"][b]["objective"], (int, float)) for b in budgets):
                 raise TypeError("an objective is not a number")
-        except (KeyError, TypeError, AttributeError, ConfigError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
             raise bad(f"a step-3 candidate is malformed ({type(e).__name__}: {e})") from None
-        if spec.from_calibration or unknown:
-            raise bad(f"step-3 candidate {c['policy']!r} is not a policy with settings {sorted(opts)}")
+        except DataError as e:
+            raise bad(str(e)) from None
     if not any(c["policy"] == "streaming" for c in cands):
         raise bad("step 3 has no StreamingLLM candidate")
 
@@ -410,8 +413,8 @@ def calibrate_on_accuracy(model_path: str | os.PathLike, calibration: str | os.P
     model_path = Path(model_path)
     sha = model_sha256(model_path)
     if doc["model_sha256"] != sha:
-        raise DataError(f"calibration {src} is of another model file ({doc.get('model_file')}, sha256 "
-                        f"{doc['model_sha256'][:12]}...), not {model_path.name}")
+        raise DataError(f"calibration {src} is of another model file ({doc.get('model_file')!s:.80}, sha256 "
+                        f"{str(doc['model_sha256'])[:12]}...), not {model_path.name}")
     _check_reusable(doc, src, accuracy)
     path = Path(out) if out else calibration_dir() / f"{sha}.json"
     acc3_record, selected = None, doc.get("selected")
@@ -423,12 +426,13 @@ def calibrate_on_accuracy(model_path: str | os.PathLike, calibration: str | os.P
                                                               n_threads, log, streaming=acc_record["streaming"])
     cost = time.perf_counter() - t_start
     chosen = {k: best[k] for k in ("layer_a", "layer_b", "window", "recent_fraction")}
+    before = doc.get("cost_seconds") if isinstance(doc.get("cost_seconds"), dict) else {}
+    total = before.get("total") if isinstance(before.get("total"), (int, float)) else 0.0
     new = {**doc, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "reused_from": portable(str(src)), "chosen": chosen, "objective": "accuracy", "accuracy": acc_record,
            "accuracy_signals": acc3_record, "chosen_delta_nll": best["delta_nll"], "selected": selected,
            "signals_built_on": doc["chosen"] if selected and chosen != doc["chosen"] else None,
-           "cost_seconds": {**doc.get("cost_seconds", {}), "accuracy": round(cost, 1),
-                            "total": round(doc.get("cost_seconds", {}).get("total", 0.0) + cost, 1)}}
+           "cost_seconds": {**before, "accuracy": round(cost, 1), "total": round(total + cost, 1)}}
     new = _rebase_stats(new, src.resolve().parent, path.resolve().parent)
     write_atomic(path, json.dumps(new, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
     log(f"accuracy on {src.name}: EPIKV layers {chosen['layer_a']},{chosen['layer_b']} window {chosen['window']} "

@@ -146,6 +146,22 @@ def _ident(c: dict) -> tuple:
     return c["policy"], json.dumps(c["options"], sort_keys=True), float(c["recent_fraction"])
 
 
+def candidate_policy(c: dict, stats_dir: Path) -> Policy:
+    """The policy of a step-3 candidate or choice ({"policy", "options", ...} as stored): a ``query_stats`` file
+    name found in ``stats_dir`` (FileNotFoundError-free: DataError when it is not there), layers as a tuple."""
+    from ..policies import make_policy
+
+    opts = dict(c["options"])
+    if "query_stats" in opts:
+        qs = Path(stats_dir) / str(opts["query_stats"])
+        if not qs.is_file():
+            raise DataError(f"query statistics {qs} of step-3 candidate {c['policy']!r} not found")
+        opts["query_stats"] = str(qs)
+    if isinstance(opts.get("layers"), list):
+        opts["layers"] = tuple(opts["layers"])
+    return make_policy(c["policy"], **opts)
+
+
 def choose_signal_by_accuracy(model, selected: dict, objective: AccuracyObjective, stats_dir: Path,
                               n_threads: int | None = None, log: Callable[[str], None] = lambda m: None,
                               streaming: dict | None = None) -> tuple[dict, dict]:
@@ -160,8 +176,6 @@ def choose_signal_by_accuracy(model, selected: dict, objective: AccuracyObjectiv
     ``query_stats`` option's file name is found. ``streaming``: StreamingLLM's answers of the same problems at
     the same budget (step 4's, with their ``recent_fraction``), reused when the recent share is StreamingLLM's
     here."""
-    from ..policies import make_policy
-
     cells = selected.get("by_budget") or []
     if not cells:
         raise DataError("step 3 has no per-budget choice to re-rank on accuracy")
@@ -177,16 +191,11 @@ def choose_signal_by_accuracy(model, selected: dict, objective: AccuracyObjectiv
     problems = dev_problems(objective.problems, objective.n_problems)
     rows = []
     for c in pool:
-        opts = dict(c["options"])
-        if opts.get("query_stats"):
-            opts["query_stats"] = str(Path(stats_dir) / opts["query_stats"])
-        if isinstance(opts.get("layers"), list):
-            opts["layers"] = tuple(opts["layers"])
         if (c["policy"] == "streaming" and streaming is not None
                 and streaming.get("recent_fraction") == c["recent_fraction"]):
-            acc = streaming
+            acc = {**streaming, "reused": "step 4"}  # the same answers: not answered (nor timed) twice
         else:
-            acc = answer_accuracy(model, problems, make_policy(c["policy"], **opts),
+            acc = answer_accuracy(model, problems, candidate_policy(c, stats_dir),
                                   BudgetConfig(kv_budget=kv, n_sink=objective.n_sink,
                                                recent_fraction=c["recent_fraction"], protect_prompt=False),
                                   objective.max_tokens, n_threads)

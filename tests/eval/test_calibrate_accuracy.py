@@ -90,7 +90,7 @@ def test_the_default_among_the_best_is_answered_once(monkeypatch, tmp_path):
 def test_calibrate_objective_accuracy_end_to_end(model_path, tmp_path):
     f, out = _problems(tmp_path), tmp_path / "cal.json"
     r = subprocess.run(CLI + ["calibrate", "--model", str(model_path), "--traces", str(TRACES), "--quick",
-                              "--no-signals", "--objective", "accuracy", "--problems", str(f),
+                              "--objective", "accuracy", "--problems", str(f),
                               "--accuracy-problems", "2", "--accuracy-budget", "96", "--accuracy-max-tokens", "24",
                               "--accuracy-top-k", "1", "--threads", "2", "--out", str(out)],
                        capture_output=True, text=True, timeout=900)
@@ -109,6 +109,12 @@ def test_calibrate_objective_accuracy_end_to_end(model_path, tmp_path):
     by_nll = min(doc["grid_results"], key=lambda g: g["delta_nll"])
     assert rec["changed_choice"] == (rec["chosen"] != {k: by_nll[k] for k in key})
     assert doc["cost_seconds"]["accuracy"] > 0
+    # step 3b in the same run: the quick grid's one cell (64) is the one that runs at 96 cells
+    sig = doc["accuracy_signals"]
+    assert sig["cell"] == 64 and sig["problem_ids"] == ["q1", "q2"]
+    assert next(c for c in sig["candidates"] if c["policy"] == "streaming").get("reused") == "step 4"
+    assert doc["selected"]["by_budget"][0]["policy"] == sig["chosen"]["policy"]
+    assert doc["selected"]["by_budget"][0]["chosen_by"] == "accuracy"
 
 
 def test_calibrate_accuracy_bad_input_is_one_line(model_path, tmp_path):
@@ -224,9 +230,10 @@ def test_calibrate_from_a_finished_calibration_end_to_end(model_path, tmp_path):
 
     cal = load_file(out)
     assert cal.selected_for(64)["policy"] == best["policy"]
-    if before["query_stats"]:  # the statistics stay where they were, named relative to the new file
-        assert Path(cal.query_stats).resolve() == (src.parent / before["query_stats"]).resolve()
-        assert Path(cal.query_stats).is_file()
+    assert before["query_stats"]  # SmolLM2 has RoPE: TriAttention's statistics were collected
+    # the statistics stay where they were, named relative to the new file
+    assert Path(cal.query_stats).resolve() == (src.parent / before["query_stats"]).resolve()
+    assert Path(cal.query_stats).is_file()
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**before, "model_sha256": "0" * 64}))
     bad_out = tmp_path / "never.json"
@@ -234,6 +241,7 @@ def test_calibrate_from_a_finished_calibration_end_to_end(model_path, tmp_path):
                          (["--from", str(tmp_path / "none.json")], "no such file"),
                          (["--from", str(tmp_path)], "not a file"),
                          (["--from", str(f)], "is malformed"),
+                         (["--from", str(out)], "chosen on answers already"),
                          (["--from", str(src), "--fast"], "--fast: not with --from"),
                          (["--from", str(other)], "another model file")):
         cmd = CLI + (common if needle else ["calibrate", "--model", str(model_path)]) + args + ["--out", str(bad_out)]
@@ -248,21 +256,32 @@ def test_a_calibration_that_cannot_be_re_ranked_is_refused_before_any_answer(tmp
     from epikv_local.eval.calibrate import _check_reusable
 
     obj = ca.AccuracyObjective(str(_problems(tmp_path)), kv_budget=192)
-    good = {"grid_results": [_row(3, 9, 0.1)], "baseline": _row(5, 10, 0.2), "selected": _selected()}
+    good = {"n_layer": 24, "grid_results": [_row(3, 9, 0.1)], "baseline": _row(5, 10, 0.2), "selected": _selected()}
     _check_reusable(good, tmp_path / "c.json", obj)
     _check_reusable({**good, "selected": None}, tmp_path / "c.json", obj)  # no step 3: step 4 only
     sel = _selected()
     for doc, needle in (
             ({**good, "grid_results": []}, "no step-2 grid results"),
-            ({**good, "grid_results": [{"layer_a": "3"}]}, "a step-2 row"),
-            ({**good, "baseline": _row(5, 10, 0.2, rf=1.5)}, "recent share"),
+            ({**good, "grid_results": {"a": 1}}, "no step-2 grid results"),
+            ({**good, "grid_results": [{"layer_a": "3"}]}, "a step-2 setting"),
+            ({**good, "grid_results": [_row(3, 23, 0.1)]}, r"outside 0\.\.22"),
+            ({**good, "grid_results": [_row(3, 3, 0.1)]}, "distinct"),
+            ({**good, "grid_results": [_row(3, 9, 0.1, w=0)]}, "a step-2 setting"),
+            ({**good, "baseline": _row(5, 10, 0.2, rf=1.5)}, "recent"),
+            ({**good, "objective": "accuracy"}, "chosen on answers already"),
             ({**good, "selected": {**sel, "by_budget": []}}, "no per-budget choices"),
             ({**good, "selected": {**sel, "by_budget": [{**sel["by_budget"][0], "kv_budget": 0}]}}, "kv_budget > 0"),
             ({**good, "selected": {**sel, "candidates": sel["candidates"][1:]}}, "no StreamingLLM candidate"),
             ({**good, "selected": {**sel, "candidates": [{**sel["candidates"][0], "policy": "nonesuch"}]}},
              "malformed"),
             ({**good, "selected": {**sel, "candidates": [{**sel["candidates"][1], "options": {"evil": 1}}]}},
-             "not a policy with settings"),
+             "has no setting 'evil'"),
+            ({**good, "selected": {**sel, "candidates": [{**sel["candidates"][1], "options": ["window"]}]}},
+             "options not an object"),
+            ({**good, "selected": {**sel, "candidates": [{**sel["candidates"][2], "options": {"layers": 5}}]}},
+             "malformed"),
+            ({**good, "selected": {**sel, "candidates": [{**sel["candidates"][1], "policy": "triattention",
+                                                          "options": {"query_stats": "gone.npz"}}]}}, "not found"),
             ({**good, "selected": {**sel, "candidates": [{**sel["candidates"][0], "per_budget": {}}]}}, "malformed"),
             ({**good, "selected": [1, 2]}, "no per-budget choices")):
         with pytest.raises(DataError, match=needle):
