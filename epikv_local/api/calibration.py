@@ -87,7 +87,7 @@ class CalibrationResult:
         when the budget is unknown or there are no per-budget choices. None without step 3."""
         if kv_budget is None or not self.selected_by_budget or kv_budget <= 0:
             return self.selected
-        return min(self.selected_by_budget, key=lambda e: (abs(math.log(kv_budget / e[0])), -e[0]))[1]
+        return dict(self.selected_by_budget)[nearest_budget(kv_budget, [b for b, _ in self.selected_by_budget])]
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -112,8 +112,8 @@ def load_file(path: str | os.PathLike) -> CalibrationResult:
         step3 = d.get("selected")
         sel, by_budget = None, ()
         if step3 is not None:
-            sel = _selection(step3["chosen"], here)
-            by_budget = tuple(sorted((int(e["kv_budget"]), _selection(e, here)) for e in step3.get("by_budget", ())))
+            sel = selection_as_run(step3["chosen"], here)
+            by_budget = tuple(sorted((int(e["kv_budget"]), selection_as_run(e, here)) for e in step3.get("by_budget", ())))
             if any(b <= 0 for b, _ in by_budget):
                 raise ValueError("a per-budget choice has a budget <= 0")
         return CalibrationResult(
@@ -129,7 +129,13 @@ def load_file(path: str | os.PathLike) -> CalibrationResult:
         raise DataError(f"calibration {path} is malformed ({type(e).__name__}: {e})") from None
 
 
-def _selection(entry: dict, here: Path) -> dict:
+def nearest_budget(kv_budget: int, budgets: list[int]) -> int:
+    """The calibrated budget (cells) whose choice runs at ``kv_budget`` > 0: the nearest on a log scale, a tie
+    the larger one."""
+    return min(budgets, key=lambda b: (abs(math.log(kv_budget / b)), -b))
+
+
+def selection_as_run(entry: dict, here: Path) -> dict:
     """One step-3 choice as stored -> as run: the query statistics' path made absolute, layers a tuple."""
     sel = dict(entry)
     opts = dict(sel["options"])

@@ -18,12 +18,12 @@ Cost: (candidates + 1) x ``n_problems`` answers, about 10 s each for a 0.5B mode
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..api.calibration import nearest_budget, selection_as_run
 from ..engine.budget import BudgetConfig
 from ..engine.sampling import SamplingConfig
 from ..engine.session import Session, SessionConfig
@@ -147,19 +147,15 @@ def _ident(c: dict) -> tuple:
 
 
 def candidate_policy(c: dict, stats_dir: Path) -> Policy:
-    """The policy of a step-3 candidate or choice ({"policy", "options", ...} as stored): a ``query_stats`` file
-    name found in ``stats_dir`` (FileNotFoundError-free: DataError when it is not there), layers as a tuple."""
+    """The policy of a step-3 candidate or choice as stored (:func:`~epikv_local.api.calibration.selection_as_run`
+    with ``stats_dir``); DataError when its query statistics file is not there."""
     from ..policies import make_policy
 
-    opts = dict(c["options"])
-    if "query_stats" in opts:
-        qs = Path(stats_dir) / str(opts["query_stats"])
-        if not qs.is_file():
-            raise DataError(f"query statistics {qs} of step-3 candidate {c['policy']!r} not found")
-        opts["query_stats"] = str(qs)
-    if isinstance(opts.get("layers"), list):
-        opts["layers"] = tuple(opts["layers"])
-    return make_policy(c["policy"], **opts)
+    sel = selection_as_run(c, Path(stats_dir))
+    qs = sel["options"].get("query_stats")
+    if qs is not None and not Path(qs).is_file():
+        raise DataError(f"query statistics {qs} of step-3 candidate {c['policy']!r} not found")
+    return make_policy(sel["policy"], **sel["options"])
 
 
 def choose_signal_by_accuracy(model, selected: dict, objective: AccuracyObjective, stats_dir: Path,
@@ -180,7 +176,8 @@ def choose_signal_by_accuracy(model, selected: dict, objective: AccuracyObjectiv
     if not cells:
         raise DataError("step 3 has no per-budget choice to re-rank on accuracy")
     kv = objective.kv_budget
-    cell = min(cells, key=lambda e: (abs(math.log(kv / e["kv_budget"])), -e["kv_budget"]))
+    near = nearest_budget(kv, [e["kv_budget"] for e in cells])
+    cell = next(e for e in cells if e["kv_budget"] == near)
     b = str(cell["kv_budget"])
     ranked = sorted(selected["candidates"], key=lambda c: c["per_budget"][b]["objective"])
     stream = next(c for c in selected["candidates"] if c["policy"] == "streaming")
